@@ -1,0 +1,1 @@
+"""Request validation and body models of the MindIE endpoints (``/v1/completions``, ``/infer``)."""

@@ -1,0 +1,102 @@
+"""Locating and starting the real ``tritonserver`` (the binary shipped in the nvidia-pytriton wheel).
+
+The wheel's layout has traps: the Python stub is not where Triton looks, it links
+the bundled CUDA runtime by RPATH, it needs ``libpython`` on the library path, and
+it ignores the virtualenv unless the model sets ``EXECUTION_ENV_PATH``. This
+module builds a project-owned backend directory and the environment that make it
+work, and assembles the command line with loopback binding and restricted APIs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import shutil
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace,statistics"
+
+
+@dataclass
+class TritonPaths:
+    binary: Path
+    backend_dir: Path
+    lib_dirs: list[Path]
+
+
+def _pytriton_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("nvidia-pytriton is not installed; it ships the tritonserver binary")
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+
+
+def prepare_backend(work_dir: Path | None = None) -> TritonPaths:
+    """Build ``.triton/backends/python`` (links + the stub for this Python) and find libraries.
+
+    ``$TRITONSERVER_BIN`` and ``$TRITON_BACKEND_DIR`` override everything (NVIDIA images).
+    """
+    if os.environ.get("TRITONSERVER_BIN"):
+        backend = Path(os.environ.get("TRITON_BACKEND_DIR", "/opt/tritonserver/backends"))
+        return TritonPaths(Path(os.environ["TRITONSERVER_BIN"]), backend, [])
+    root = _pytriton_root()
+    work_dir = work_dir or REPO_ROOT / ".triton"
+    python_dir = work_dir / "backends" / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        link = python_dir / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(root / "backends" / "python" / name)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub_src = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub_src.is_file():
+        raise FileNotFoundError(f"no Triton Python stub for Python {version} in {stub_src.parent.parent}")
+    stub = python_dir / "triton_python_backend_stub"
+    if not stub.exists() or stub.stat().st_size != stub_src.stat().st_size:
+        shutil.copy2(stub_src, stub)
+    libs = [root.parent.parent / "nvidia_pytriton.libs", Path(sysconfig.get_config_var("LIBDIR") or "")]
+    return TritonPaths(root / "bin" / "tritonserver", work_dir / "backends", [p for p in libs if p.is_dir()])
+
+
+def triton_env(paths: TritonPaths, config_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    extra = [str(p) for p in paths.lib_dirs]
+    if env.get("LD_LIBRARY_PATH"):
+        extra.append(env["LD_LIBRARY_PATH"])
+    if extra:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(extra)
+    env["MINDIE_TRITON_CONFIG"] = str(config_path)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def triton_command(
+    paths: TritonPaths, settings, model_repository: Path, admin_key: str | None = None
+) -> list[str]:
+    """The tritonserver command line: loopback by default, admin APIs behind a random key."""
+    t = settings.triton
+    key = admin_key or secrets.token_hex(16)
+    return [
+        str(paths.binary),
+        f"--model-repository={model_repository}",
+        f"--backend-directory={paths.backend_dir}",
+        f"--http-address={t.httpAddress}",
+        f"--http-port={t.httpPort}",
+        f"--grpc-address={t.grpcAddress}",
+        f"--grpc-port={t.grpcPort}",
+        f"--metrics-address={t.httpAddress}",
+        f"--metrics-port={t.metricsPort}",
+        f"--exit-timeout-secs={t.exitTimeoutSecs}",
+        "--allow-gpu-metrics=false",
+        "--allow-cpu-metrics=true",
+        "--strict-readiness=true",
+        f"--http-restricted-api={RESTRICTED_APIS}:mindie-admin-key={key}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:mindie-admin-key={key}",
+        "--log-info=true",
+    ]

@@ -1,0 +1,1 @@
+"""A continuous-batching LLM generation engine for Triton's Python backend."""

@@ -1,0 +1,152 @@
+"""The one settings file, in MindIE Server's vocabulary.
+
+Both the adapter and the Triton model read the same JSON file (``conf/config.json``
+by default, or the path in ``$MINDIE_TRITON_CONFIG``). Its layout follows MindIE's
+``config.json``: ``ServerConfig`` for the HTTP plane, ``BackendConfig`` with
+``ModelDeployConfig`` (model, lengths) and ``ScheduleConfig`` (batching), plus a
+``TritonConfig`` section for this project's Triton wiring.
+Unknown keys are ignored so that a MindIE config file can be reused as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CONFIG_ENV = "MINDIE_TRITON_CONFIG"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ServerSection(_Section):
+    """HTTP plane of the adapter (MindIE ``ServerConfig``)."""
+
+    ipAddress: str = "127.0.0.1"
+    port: int = Field(1025, ge=1, le=65535)
+    httpsEnabled: bool = False
+    tlsCert: str = ""
+    tlsPk: str = ""
+    tlsCaFile: str = ""
+    fullTextEnabled: bool = False
+    maxLinkNum: int = Field(1000, ge=1, le=4096)
+    tokenTimeout: int = Field(600, ge=1, le=3600)
+    e2eTimeout: int = Field(600, ge=1, le=65535)
+    maxRequestLength: int = Field(40, ge=1, le=100, description="MiB")
+    apiKey: Optional[str] = None
+    maxStopCount: int = Field(64, ge=1, description="most stop strings in one request")
+    drainTimeout: float = Field(30.0, ge=0, description="seconds in-flight streams get on SIGTERM")
+
+
+class ModelSection(_Section):
+    modelName: str = DEFAULT_MODEL_NAME
+    modelWeightPath: str = Field(
+        "", description="HF checkpoint directory or .gguf file; empty = embedded default"
+    )
+    backendType: Literal["atb", "ms", "torch"] = "atb"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+
+
+class ModelDeploySection(_Section):
+    maxSeqLen: int = Field(2560, gt=0)
+    maxInputTokenLen: int = Field(2048, ge=1, le=4194304)
+    truncation: int = Field(0, ge=-1, le=1)
+    ModelConfig: list[ModelSection] = Field(default_factory=lambda: [ModelSection()])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _truncation_bool(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("truncation"), bool):
+            data = dict(data, truncation=-1 if data["truncation"] else 0)
+        return data
+
+
+class ScheduleSection(_Section):
+    maxBatchSize: int = Field(200, ge=1, le=819200)
+    maxPrefillBatchSize: int = Field(50, ge=1)
+    maxPrefillTokens: int = Field(8192, ge=1)
+    maxIterTimes: int = Field(512, ge=1)
+    maxQueueDelayMicroseconds: int = Field(5000, ge=500, le=1000000)
+    maxN: int = Field(128, ge=1, le=8192)
+    cacheBlockSize: int = Field(16, ge=1, le=128)
+    kvCacheBlocks: int = Field(0, ge=0, description="0 = size from kvCacheMemoryMiB")
+    kvCacheMemoryMiB: int = Field(1024, ge=1)
+    maxWaitingRequests: int = Field(2000, ge=1, description="engine queue bound")
+    enablePrefixCache: bool = True
+
+
+class BackendSection(_Section):
+    npuDeviceIds: list[list[int]] = Field(default_factory=lambda: [[0]])
+    ModelDeployConfig: ModelDeploySection = Field(default_factory=ModelDeploySection)
+    ScheduleConfig: ScheduleSection = Field(default_factory=ScheduleSection)
+
+
+class TritonSection(_Section):
+    """How this project runs tritonserver (not a MindIE section)."""
+
+    modelName: str = "llm"
+    httpAddress: str = "127.0.0.1"
+    httpPort: int = 8000
+    grpcAddress: str = "127.0.0.1"
+    grpcPort: int = 8001
+    metricsPort: int = 8002
+    exitTimeoutSecs: int = 5
+
+
+class Settings(_Section):
+    ServerConfig: ServerSection = Field(default_factory=ServerSection)
+    BackendConfig: BackendSection = Field(default_factory=BackendSection)
+    TritonConfig: TritonSection = Field(default_factory=TritonSection)
+
+    # Shortcuts for the values everything reads.
+    @property
+    def server(self) -> "ServerSection":
+        return self.ServerConfig
+
+    @property
+    def model(self) -> "ModelSection":
+        return self.BackendConfig.ModelDeployConfig.ModelConfig[0]
+
+    @property
+    def deploy(self) -> "ModelDeploySection":
+        return self.BackendConfig.ModelDeployConfig
+
+    @property
+    def schedule(self) -> "ScheduleSection":
+        return self.BackendConfig.ScheduleConfig
+
+    @property
+    def triton(self) -> "TritonSection":
+        return self.TritonConfig
+
+
+def default_config_path() -> Path:
+    """``conf/config.json`` at the repository root (three levels above this package)."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "conf" / "config.json"
+        if candidate.is_file():
+            return candidate
+    return here.parents[4] / "conf" / "config.json"
+
+
+def load_settings(path: str | os.PathLike | None = None) -> Settings:
+    """Load the settings file: ``path``, else ``$MINDIE_TRITON_CONFIG``, else the default.
+
+    A missing file gives the documented defaults.
+    """
+    chosen = path or os.environ.get(CONFIG_ENV) or default_config_path()
+    p = Path(chosen)
+    if not p.is_file():
+        if path or os.environ.get(CONFIG_ENV):
+            raise FileNotFoundError(f"settings file not found: {p}")
+        return Settings()
+    with p.open(encoding="utf-8") as fh:
+        return Settings.model_validate(json.load(fh))

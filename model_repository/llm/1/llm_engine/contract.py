@@ -1,0 +1,56 @@
+"""The Triton tensor contract of the ``llm`` model: a public, stable interface.
+
+Every response of the decoupled model describes one step of one sequence
+(``index`` says which of the request's ``n``/``best_of`` sequences). The request's
+last response carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; clients stop on it.
+Shapes below exclude the leading batch dimension (``max_batch_size`` > 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # Triton dtype name, e.g. "BYTES", "INT64"
+    shape: tuple[int, ...]
+    optional: bool = False
+    doc: str = ""
+
+
+INPUTS: tuple[Tensor, ...] = (
+    Tensor("text_input", "BYTES", (1,), True, "UTF-8 prompt; give this or input_ids"),
+    Tensor("input_ids", "INT64", (-1,), True, "prompt token ids, instead of text_input"),
+    Tensor("stream", "BOOL", (1,), True, "true: one response per step; false: one per sequence"),
+    Tensor("sampling_parameters", "BYTES", (1,), True, "JSON object, see params.py"),
+)
+
+OUTPUTS: tuple[Tensor, ...] = (
+    Tensor("text_output", "BYTES", (1,), doc="text added by this response (whole text if stream=false)"),
+    Tensor("index", "INT32", (1,), doc="sequence index within the request (0..best_of-1)"),
+    Tensor("token_ids", "INT64", (-1,), doc="token ids generated in this response"),
+    Tensor("finish_reason", "BYTES", (1,), doc="'' while running, else stop|length|cancelled|error"),
+    Tensor("prompt_tokens", "INT32", (1,), doc="prompt length in tokens"),
+    Tensor("cached_tokens", "INT32", (1,), doc="prompt tokens served from the prefix cache"),
+    Tensor("completion_tokens", "INT32", (1,), doc="tokens generated so far by this sequence"),
+    Tensor("cumulative_logprob", "FP32", (1,), doc="sum of the chosen tokens' logprobs"),
+    Tensor("seed", "UINT64", (1,), doc="the seed in use (drawn when not given)"),
+    Tensor("batch_size", "INT32", (-1,), doc="per step: sequences in the engine step"),
+    Tensor("queue_wait_us", "INT64", (-1,), doc="per step: µs waited before the step ran"),
+    Tensor("logprobs", "BYTES", (1,), doc="JSON list of {token, logprob, top:[[token, logprob]...]} or ''"),
+)
+
+FINISH_STOP = "stop"  # EOS, stop string or stop token id
+FINISH_LENGTH = "length"  # max tokens, maxIterTimes, maxSeqLen, max_position_embeddings
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+def input_names() -> list[str]:
+    return [t.name for t in INPUTS]
+
+
+def output_names() -> list[str]:
+    return [t.name for t in OUTPUTS]

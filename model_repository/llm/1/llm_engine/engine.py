@@ -1,0 +1,397 @@
+"""The generation engine: a background thread that schedules, runs and streams every step.
+
+``submit()`` is thread-safe and returns at once; results go to each request's
+``emit`` callback (a :class:`StepOutput`, or an :class:`EngineError` that ends the
+request). ``step()`` is four moves: drop cancelled work, schedule, run the model
+and sample, then post-process and emit.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from . import contract
+from .errors import EngineError, EnqueueRejected, Overloaded, RequestTimeout
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import BlockManager
+from .runner import ModelRunner, StepInput
+from .sampler import RowSpec, sample
+from .scheduler import Plan, Scheduler
+from .sequence import Request, Sequence, Status, StepOutput
+from .stopping import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineLimits:
+    max_seq_len: int
+    max_input_len: int
+    max_iter_times: int
+    max_position_embeddings: int
+    truncation: int
+    default_top_k: int
+    vocab_size: int
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer, blocks: BlockManager, scheduler: Scheduler,
+                 limits: EngineLimits, eos_token_ids: list[int], metrics=None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.blocks = blocks
+        self.scheduler = scheduler
+        self.limits = limits
+        self.eos_token_ids = eos_token_ids
+        self.metrics = metrics
+        self._inbox: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.dropped: list[str] = []  # ids of requests ended by cancellation (bounded)
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread:
+            self._thread.join(timeout)
+        for req in list(self.scheduler.requests()) + list(self._inbox):
+            self._fail(req, EngineError("the model is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- submission -------------------------------------------------------------
+    def prepare(self, req: Request) -> None:
+        """Check lengths and fill in the derived limits; raises :class:`EngineError`."""
+        lim = self.limits
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise EnqueueRejected("Failed to enqueue inferRequest. The prompt is empty")
+        cap = min(lim.max_input_len, lim.max_seq_len - 1)
+        if lim.truncation and n > cap:
+            req.prompt_ids = req.prompt_ids[:cap] if lim.truncation < 0 else req.prompt_ids[-cap:]
+            n = cap
+        if lim.max_position_embeddings and n > lim.max_position_embeddings and not lim.truncation:
+            raise EnqueueRejected(
+                "Failed to enqueue inferRequest. This model's maximum input ids length cannot be greater "
+                f"than maxPositionEmbeddings {lim.max_position_embeddings},the input ids length is {n}")
+        if n > cap:
+            raise EnqueueRejected(
+                "Failed to enqueue inferRequest. This model's maximum input ids length cannot be greater "
+                f"than {cap},the input ids length is {n}")
+        if any(t < 0 or t >= lim.vocab_size for t in req.prompt_ids):
+            raise EnqueueRejected("Failed to enqueue inferRequest. Invalid Input Ids")
+        p = req.params
+        room = lim.max_seq_len - n
+        if lim.max_position_embeddings:
+            room = min(room, lim.max_position_embeddings - n)
+        req.max_new_tokens = max(1, min(p.max_tokens or lim.max_iter_times, lim.max_iter_times, room))
+        req.seed = p.seed if p.seed is not None else random.getrandbits(32)
+        if p.top_k is None:
+            p.top_k = lim.default_top_k
+        req.sequences = [self._new_sequence(req, 0, list(req.prompt_ids))]
+
+    def submit(self, req: Request) -> None:
+        """Queue a request (after :meth:`prepare`). Thread-safe, never blocks on generation."""
+        if self.scheduler.num_waiting + len(self._inbox) >= self.scheduler.max_waiting:
+            raise Overloaded(f"the engine queue is full ({self.scheduler.max_waiting} waiting requests)")
+        with self._wake:
+            self._inbox.append(req)
+            self._wake.notify()
+
+    def _new_sequence(self, req: Request, index: int, tokens: list[int]) -> Sequence:
+        p = req.params
+        gen = None
+        if not p.greedy or p.use_beam_search:
+            gen = torch.Generator(device=self.runner.device)
+            gen.manual_seed((req.seed + index * 0x9E3779B97F4A7C15) % 2**64)
+        return Sequence(
+            request=req, index=index, token_ids=tokens,
+            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.skip_special_tokens),
+            stopper=StopChecker(p.stop, p.stop_token_ids, self.eos_token_ids, p.ignore_eos,
+                                p.include_stop_str_in_output),
+            generator=None if p.greedy else gen,
+        )
+
+    # -- the loop -----------------------------------------------------------------
+    def _loop(self) -> None:
+        log.info("engine loop started")
+        while True:
+            with self._wake:
+                while not self._stop and not self._inbox and not self.scheduler.requests():
+                    self._wake.wait(timeout=0.5)
+                if self._stop:
+                    return
+                new = list(self._inbox)
+                self._inbox.clear()
+            for req in new:
+                try:
+                    self.scheduler.add(req)
+                except EngineError as exc:
+                    self._fail(req, exc)
+            try:
+                self.step()
+            except Exception:  # a bug must not kill the loop; fail what ran and go on
+                log.exception("engine step failed")
+
+    def step(self) -> None:
+        self._drop_cancelled()
+        plan = self.scheduler.schedule()
+        if not plan.items:
+            time.sleep(0.001)
+            return
+        now = time.monotonic()
+        for req in {id(it.seq.request): it.seq.request for it in plan.items}.values():
+            if req.first_scheduled == 0.0:
+                req.first_scheduled = now
+        try:
+            self.runner.copy_blocks(plan.copies)
+            step_in, owners = self._build_input(plan)
+            logits = self.runner.forward(step_in)
+            for it in plan.items:
+                it.seq.num_computed += it.num_tokens
+            owners, rows_idx = self._expand_forks(owners)
+            if len(rows_idx) != logits.shape[0]:
+                logits = logits[torch.tensor(rows_idx, device=logits.device)]
+            result = sample(logits, [self._row_spec(seq) for seq in owners])
+        except Exception as exc:
+            log.exception("model step failed; failing the %d requests in it", plan.num_sequences)
+            for req in {id(it.seq.request): it.seq.request for it in plan.items}.values():
+                self._fail(req, EngineError(f"generation failed: {exc}"))
+            return
+        self.steps += 1
+        self._postprocess(plan, owners, result, now)
+        if self.metrics:
+            self.metrics.on_step(self)
+
+    # -- helpers -------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        for req in self.scheduler.requests():
+            try:
+                cancelled = req.is_cancelled()
+            except Exception:
+                cancelled = True
+            if cancelled:
+                log.info("request %s cancelled by its client; dropping it", req.request_id)
+                self.dropped.append(req.request_id)
+                del self.dropped[:-1000]
+                self._finish_request(req, contract.FINISH_CANCELLED)
+            elif req.deadline is not None and now > req.deadline:
+                self._fail(req, RequestTimeout("Engine callback timeout: client timeout"))
+
+    def _build_input(self, plan: Plan) -> tuple[StepInput, list[Sequence]]:
+        dev = self.runner.device
+        bs = self.blocks.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_seqs: list[Sequence] = []
+        prefills = []
+        logit_rows: list[int] = []
+        owners: list[Sequence] = []
+        for it in plan.items:
+            seq, start, n = it.seq, it.seq.num_computed, it.num_tokens
+            row = len(ids)
+            ids.extend(seq.token_ids[start : start + n])
+            table = seq.table.blocks
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_seqs.append(seq)
+            else:
+                ctx = None
+                if start > 0:
+                    ctx = self._context_slots([seq], start + n)[0]
+                prefills.append((row, n, start + n, ctx))
+            if it.needs_logits:
+                logit_rows.append(row + n - 1)
+                owners.append(seq)
+        if decode_seqs:
+            lens = [len(s.token_ids) for s in decode_seqs]
+            ctx = self._context_slots(decode_seqs, max(lens))
+            lens_t = torch.tensor(lens, device=dev)
+            mask = torch.arange(ctx.shape[1], device=dev)[None, :] < lens_t[:, None]
+            ctx = torch.where(mask, ctx, self.runner.dummy_slot)
+            mask = mask[:, None, None, :]
+        else:
+            ctx = torch.empty(0, 0, dtype=torch.long, device=dev)
+            mask = torch.empty(0, 1, 1, 0, dtype=torch.bool, device=dev)
+        as_t = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
+        return StepInput(as_t(ids), as_t(pos), as_t(slots), as_t(decode_rows), ctx, mask, prefills,
+                         as_t(logit_rows)), owners
+
+    def _context_slots(self, seqs: list[Sequence], length: int) -> torch.Tensor:
+        """Slot ids of positions ``0..length-1`` for each sequence, ``[B, length]``."""
+        dev = self.runner.device
+        bs = self.blocks.block_size
+        nb = -(-length // bs)
+        table = torch.tensor([s.table.blocks[:nb] + [0] * (nb - len(s.table.blocks[:nb])) for s in seqs],
+                             dtype=torch.long, device=dev)
+        slots = table[:, :, None] * bs + torch.arange(bs, device=dev)[None, None, :]
+        return slots.reshape(len(seqs), nb * bs)[:, :length]
+
+    def _row_spec(self, seq: Sequence) -> RowSpec:
+        p = seq.request.params
+        return RowSpec(
+            temperature=max(p.temperature, 1e-6), top_k=p.top_k or 0, top_p=p.top_p,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, generator=seq.generator,
+            logprobs=p.logprobs if p.logprobs else None,
+            prompt_ids=seq.request.prompt_ids, output_ids=seq.output_ids,
+        )
+
+    def _postprocess(self, plan: Plan, owners: list[Sequence], result, step_start: float) -> None:
+        now = time.monotonic()
+        stepped: dict[int, Request] = {}
+        for it in plan.items:
+            req = it.seq.request
+            if id(req) not in stepped:
+                stepped[id(req)] = req
+                since = req.last_progress or req.arrival
+                req.batch_sizes.append(plan.num_sequences)
+                req.queue_waits_us.append(int(max(0.0, step_start - since) * 1e6))
+        for row, seq in enumerate(owners):
+            self.blocks.register_prompt_blocks(seq.table, seq.token_ids,
+                                               min(seq.num_computed, seq.request.prompt_len))
+            self._append(seq, result.tokens[row], result.logprobs[row], result.top[row])
+        for req in stepped.values():
+            req.last_progress = now
+            if req.done:
+                continue
+            self._emit(req)
+
+    def _expand_forks(self, owners: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """Start the other best_of/n sequences once the prompt is computed; they share its logits."""
+        expanded: list[Sequence] = []
+        rows: list[int] = []
+        for row, seq in enumerate(owners):
+            expanded.append(seq)
+            rows.append(row)
+            req = seq.request
+            if seq.index == 0 and seq.num_generated == 0 and len(req.sequences) < req.params.num_sequences:
+                for i in range(len(req.sequences), req.params.num_sequences):
+                    child = self._new_sequence(req, i, list(seq.token_ids))
+                    child.table = self.blocks.fork(seq.table)
+                    child.num_computed = seq.num_computed
+                    child.status = Status.RUNNING
+                    req.sequences.append(child)
+                    expanded.append(child)
+                    rows.append(row)
+        return expanded, rows
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top) -> None:
+        req = seq.request
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        seq.pending_ids.append(token)
+        text = ""
+        if seq.stopper.is_stop_token(token):
+            self._finish(seq, contract.FINISH_STOP)
+        else:
+            new = seq.detok.step(token)
+            text, matched = seq.stopper.feed(new)
+            if matched:
+                self._finish(seq, contract.FINISH_STOP)
+            elif seq.num_generated >= req.max_new_tokens:
+                text += seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
+                self._finish(seq, contract.FINISH_LENGTH)
+        seq.pending_text += text
+        if req.params.logprobs is not None:
+            seq.pending_logprobs.append(self._logprob_entry(seq, token, logprob, top))
+
+    def _logprob_entry(self, seq: Sequence, token: int, logprob: float, top) -> dict:
+        skip = seq.request.params.skip_special_tokens
+        entry = {"token": self.tokenizer.decode([token], skip_special_tokens=skip), "logprob": logprob,
+                 "top": []}
+        for tid, lp in top or []:
+            entry["top"].append([self.tokenizer.decode([tid]), lp])
+        return entry
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.release_sequence(seq)
+
+    def _emit(self, req: Request) -> None:
+        """Send what each sequence produced this step (stream) or at its end (non-stream)."""
+        all_done = all(s.finished for s in req.sequences)
+        outputs = []
+        for seq in req.sequences:
+            if seq.reported:
+                continue
+            finishing = seq.finished
+            if not req.stream and not finishing:
+                continue
+            if not seq.pending_ids and not finishing:
+                continue
+            outputs.append(self._output(seq, finishing))
+        if all_done:
+            self.scheduler.remove(req)
+            req.done = True
+            if not outputs:
+                outputs.append(self._output(req.sequences[0], True, empty=True))
+            outputs[-1].final = True
+        for out in outputs:
+            req.emit(out)
+
+    def _output(self, seq: Sequence, finishing: bool, empty: bool = False) -> StepOutput:
+        req = seq.request
+        if finishing:
+            batch, waits = list(req.batch_sizes), list(req.queue_waits_us)
+        else:
+            batch, waits = req.batch_sizes[-1:], req.queue_waits_us[-1:]
+        out = StepOutput(
+            index=seq.index, text="" if empty else seq.pending_text,
+            token_ids=[] if empty else list(seq.pending_ids),
+            finish_reason=seq.finish_reason if finishing else "",
+            prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
+            completion_tokens=seq.num_generated, cumulative_logprob=seq.cumulative_logprob,
+            seed=req.seed, batch_size=batch, queue_wait_us=waits,
+            logprobs=list(seq.pending_logprobs) if req.params.logprobs is not None else None,
+            final=False,
+        )
+        seq.text += seq.pending_text
+        seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
+        seq.reported = finishing
+        return out
+
+    def _finish_request(self, req: Request, reason: str) -> None:
+        for seq in req.sequences:
+            if not seq.finished:
+                seq.status = Status.FINISHED
+                seq.finish_reason = reason
+        self._emit(req)
+        self.scheduler.remove(req)
+        req.done = True
+
+    def _fail(self, req: Request, exc: EngineError) -> None:
+        if req.done:
+            return
+        self.scheduler.remove(req)
+        req.done = True
+        for seq in req.sequences:
+            seq.status = Status.FINISHED
+        try:
+            req.emit(exc)
+        except Exception:
+            log.exception("could not report an error to request %s", req.request_id)

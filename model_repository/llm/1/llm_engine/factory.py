@@ -1,0 +1,69 @@
+"""Build a ready :class:`Engine` from the settings file: weights, device, dtype, KV budget."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .config import Settings
+from .device import select_device, select_dtype
+from .engine import Engine, EngineLimits
+from .kv_cache import BlockManager
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .weights import model_limits, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+REQUIRED_MODULES = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.monotonic()
+    mc, deploy, sched = settings.model, settings.deploy, settings.schedule
+    model_dir = resolve_model_dir(mc.modelWeightPath)
+    log.info("loading %s from %s", mc.modelName, model_dir)
+    device = select_device(mc.device, device_id)
+    config = AutoConfig.from_pretrained(model_dir)
+    dtype = select_dtype(mc.dtype, device, config.hidden_size, getattr(config, "intermediate_size", 1536))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, m) for m in REQUIRED_MODULES):
+        raise ValueError(f"unsupported architecture {config.model_type!r}: the engine runs Llama-family "
+                         "decoder checkpoints (Llama, Mistral, Qwen2/3, SmolLM)")
+    info = model_limits(model_dir)
+    if not info["vocab_size"]:
+        log.warning("config.json has no vocab_size/padded_vocab_size; top_k clamping is disabled")
+    block_size = sched.cacheBlockSize
+    per_token = ModelRunner.kv_bytes_per_token(config, dtype)
+    num_blocks = sched.kvCacheBlocks or max(1, sched.kvCacheMemoryMiB * 2**20 // (per_token * block_size))
+    max_pos = min(deploy.maxSeqLen, info["max_position_embeddings"] or deploy.maxSeqLen) + 1
+    runner = ModelRunner(model, device, dtype, num_blocks, block_size, max_pos)
+    blocks = BlockManager(num_blocks, block_size, sched.enablePrefixCache)
+    scheduler = Scheduler(blocks, sched.maxBatchSize, sched.maxPrefillBatchSize, sched.maxPrefillTokens,
+                          sched.maxWaitingRequests)
+    limits = EngineLimits(
+        max_seq_len=deploy.maxSeqLen, max_input_len=deploy.maxInputTokenLen,
+        max_iter_times=sched.maxIterTimes, max_position_embeddings=info["max_position_embeddings"],
+        truncation=deploy.truncation, default_top_k=info["default_top_k"],
+        vocab_size=info["vocab_size"] or runner.vocab_size,
+    )
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics)
+    log.info(
+        "engine ready in %.1fs: device=%s dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) maxBatchSize=%d "
+        "maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s",
+        time.monotonic() - t0, device, str(dtype).removeprefix("torch."), num_blocks, block_size,
+        num_blocks * block_size * per_token / 2**20, sched.maxBatchSize, sched.maxPrefillTokens,
+        deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids,
+    )
+    torch.set_grad_enabled(False)
+    return engine

@@ -1,0 +1,136 @@
+"""One forward step over a flattened batch of tokens with a paged KV cache.
+
+The runner reuses the Hugging Face modules of Llama-family checkpoints (Llama,
+Mistral, Qwen2/Qwen3, SmolLM, ...) for projections, norms, MLP and rotary tables,
+and does attention itself against a block-paged KV pool, so that sequences of
+different lengths decode together without padding the cache.
+
+A step's tokens are flattened to ``[T, hidden]`` for all linear layers. Attention
+runs in two groups: every one-token decode in one batched SDPA call, and each
+prefill chunk on its own (there are few per step).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInput:
+    """What the scheduler asks the runner to compute in one step."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64, flat KV slot per token
+    decode_rows: torch.Tensor  # [Bd] token index of each one-token decode
+    decode_ctx: torch.Tensor  # [Bd, Lmax] slot ids of each decode's context (pad = dummy slot)
+    decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] bool, True = attend
+    prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (start_row, n_tokens, ctx_len, ctx_slots)
+    logit_rows: torch.Tensor  # [R] token rows whose logits are needed
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ModelRunner:
+    """Holds the model, the KV pool and the rotary tables on one device."""
+
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
+                 max_positions: int):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scaling = getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5)
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self.dummy_slot = self.num_slots  # always zero, used to pad contexts
+        shape = (len(self.layers), 2, self.num_slots + 1, self.num_kv_heads, self.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        with torch.inference_mode():
+            pos = torch.arange(max_positions, device=device)
+            probe = torch.zeros(1, dtype=dtype, device=device)
+            cos, sin = self.inner.rotary_emb(probe, pos[None])
+        self.cos, self.sin = cos[0], sin[0]  # [P, head_dim]
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+
+    @staticmethod
+    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        elem = torch.empty((), dtype=dtype).element_size()
+        return config.num_hidden_layers * 2 * kv_heads * head_dim * elem
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for src, dst in copies:
+            self.kv[:, :, dst * bs : (dst + 1) * bs] = self.kv[:, :, src * bs : (src + 1) * bs]
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Run the model; return float32 logits ``[R, vocab]`` for ``step.logit_rows``."""
+        h = self.inner.embed_tokens(step.input_ids)
+        cos = self.cos[step.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[step.positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            x = self._attention(i, layer.self_attn, x, cos, sin, step)
+            h = residual + x
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.inner.norm(h[step.logit_rows])
+        return self.model.lm_head(h).float()
+
+    def _attention(self, i: int, attn, x, cos, sin, step: StepInput) -> torch.Tensor:
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache_k, cache_v = self.kv[i, 0], self.kv[i, 1]
+        cache_k.index_copy_(0, step.slots, k)
+        cache_v.index_copy_(0, step.slots, v)
+        out = torch.empty_like(q)
+        if step.decode_rows.numel():
+            qd = q[step.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
+            kd = cache_k[step.decode_ctx].transpose(1, 2)  # [Bd, KVH, L, D]
+            vd = cache_v[step.decode_ctx].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=step.decode_mask, scale=self.scaling, enable_gqa=True
+            )
+            out[step.decode_rows] = od.squeeze(2)
+        for start, n, ctx_len, ctx_slots in step.prefills:
+            qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if ctx_slots is None:  # whole context is in this chunk
+                kp = k[start : start + n].transpose(0, 1).unsqueeze(0)
+                vp = v[start : start + n].transpose(0, 1).unsqueeze(0)
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling,
+                                                    enable_gqa=True)
+            else:
+                kp = cache_k[ctx_slots].transpose(0, 1).unsqueeze(0)
+                vp = cache_v[ctx_slots].transpose(0, 1).unsqueeze(0)
+                offset = ctx_len - n
+                rows = torch.arange(n, device=x.device)[:, None] + offset
+                cols = torch.arange(ctx_len, device=x.device)[None, :]
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=cols <= rows,
+                                                    scale=self.scaling, enable_gqa=True)
+            out[start : start + n] = op[0].transpose(0, 1)
+        return attn.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -1,0 +1,102 @@
+"""Batched sampling with per-row settings: penalties, temperature, top-k, top-p, seeds, logprobs.
+
+Every control is applied to the whole batch with tensor ops. Only the final draw
+loops over the sampled rows, because each row owns a ``torch.Generator`` so that a
+seeded request gives the same text whatever shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowSpec:
+    """Sampling settings of one logits row."""
+
+    temperature: float
+    top_k: int  # 0 or >= vocab: disabled
+    top_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    generator: torch.Generator | None  # None: greedy
+    logprobs: int | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float]  # chosen token's logprob (after penalties, before temperature)
+    top: list[list[tuple[int, float]] | None]  # top alternatives for rows that asked
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[RowSpec]) -> None:
+    """Repetition (prompt + output, HF style) and presence/frequency (output, OpenAI style)."""
+    idx = [i for i, r in enumerate(rows)
+           if r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty]
+    if not idx:
+        return
+    vocab = logits.shape[1]
+    dev = logits.device
+    for i in idx:  # rare: only rows that asked for penalties
+        r = rows[i]
+        out = torch.tensor(r.output_ids, dtype=torch.long, device=dev)
+        counts = torch.zeros(vocab, device=dev).index_add_(0, out, torch.ones_like(out, dtype=torch.float))
+        if r.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            seen[torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long, device=dev)] = True
+            row = logits[i]
+            penalised = torch.where(row > 0, row / r.repetition_penalty, row * r.repetition_penalty)
+            logits[i] = torch.where(seen, penalised, row)
+        logits[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).float()
+
+
+def sample(logits: torch.Tensor, rows: list[RowSpec]) -> SampleResult:
+    """Pick one token per row of ``logits`` ``[R, V]`` (float32)."""
+    apply_penalties(logits, rows)
+    logz = torch.logsumexp(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [i for i, r in enumerate(rows) if r.generator is not None]
+    if sampled:
+        tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled]).to(tokens.device)
+    chosen = (logits.gather(1, tokens[:, None])[:, 0] - logz).tolist()
+    top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.logprobs]
+    if want:
+        k = max(rows[i].logprobs for i in want)
+        vals, ids = torch.topk(logits[want], k, dim=-1)
+        vals = (vals - logz[want, None]).tolist()
+        ids = ids.tolist()
+        for j, i in enumerate(want):
+            n = rows[i].logprobs
+            top[i] = list(zip(ids[j][:n], vals[j][:n]))
+    return SampleResult(tokens.tolist(), chosen, top)
+
+
+def _draw(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    dev = logits.device
+    temps = torch.tensor([r.temperature for r in rows], device=dev)
+    ks = [r.top_k if 0 < r.top_k < vocab else vocab for r in rows]
+    k_max = max(ks)
+    scaled = logits / temps[:, None]
+    if k_max < vocab:
+        vals, ids = torch.topk(scaled, k_max, dim=-1)
+    else:
+        vals, ids = torch.sort(scaled, dim=-1, descending=True)
+    col = torch.arange(vals.shape[1], device=dev)[None, :]
+    vals = vals.masked_fill(col >= torch.tensor(ks, device=dev)[:, None], float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    top_p = torch.tensor([r.top_p for r in rows], device=dev)
+    if bool((top_p < 1.0).any()):
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each candidate
+        probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+    picks = torch.empty(len(rows), dtype=torch.long)
+    for j, r in enumerate(rows):
+        picks[j] = torch.multinomial(probs[j], 1, generator=r.generator).item()
+    return ids.gather(1, picks.to(dev)[:, None])[:, 0]

@@ -1,0 +1,126 @@
+"""Per-request and per-sequence state.
+
+A :class:`Request` owns one or more :class:`Sequence` objects (``n``/``best_of`` or
+beams) that share its prompt. Everything the scheduler and the output path need
+about a sequence lives here, so nothing else keeps loose per-request dicts.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import BlockTable
+from .params import SamplingParams
+from .stopping import StopChecker
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class StepOutput:
+    """One response of one sequence, handed to the request's ``emit`` callback."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "" while running
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cumulative_logprob: float
+    seed: int
+    batch_size: list[int]
+    queue_wait_us: list[int]
+    logprobs: list[dict] | None
+    final: bool  # the request's last response
+
+
+@dataclass
+class Sequence:
+    request: "Request"
+    index: int
+    token_ids: list[int]  # prompt + generated
+    detok: IncrementalDetokenizer
+    stopper: StopChecker
+    generator: Optional[torch.Generator]
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    status: Status = Status.WAITING
+    finish_reason: str = ""
+    reported: bool = False  # its finishing output has been emitted
+    cumulative_logprob: float = 0.0
+    text: str = ""  # text emitted so far
+    pending_text: str = ""  # not yet sent (non-stream mode, or between sends)
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.token_ids) - 1 or self.num_computed == 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class Request:
+    """A request as the engine sees it; created by the model from Triton tensors."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[StepOutput], None]
+    is_cancelled: Callable[[], bool] = lambda: False
+    stream: bool = True
+    arrival: float = field(default_factory=time.monotonic)
+    seed: int = 0
+    max_new_tokens: int = 0
+    cached_tokens: int = 0
+    sequences: list[Sequence] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    queue_waits_us: list[int] = field(default_factory=list)
+    last_progress: float = 0.0  # when the last step output was produced
+    first_scheduled: float = 0.0
+    done: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def deadline(self) -> float | None:
+        return self.arrival + self.params.timeout if self.params.timeout else None
+
+    def live_sequences(self) -> list[Sequence]:
+        return [s for s in self.sequences if not s.finished]

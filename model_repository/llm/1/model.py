@@ -1,0 +1,178 @@
+"""Triton decoupled Python model: tensors in, engine.submit(), responses streamed back.
+
+``execute()`` never waits for generation. It turns each request into an engine
+:class:`~llm_engine.sequence.Request` and returns; the engine thread produces
+outputs, and a sender thread turns them into Triton responses. Every request
+ends with exactly one ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, on success, error
+or cancellation alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from llm_engine.config import load_settings
+from llm_engine.errors import EngineError, InvalidParameter
+from llm_engine.params import parse_sampling_parameters
+from llm_engine.sequence import Request, StepOutput
+
+log = logging.getLogger("llm_engine.model")
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _configure_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=os.environ.get("MINDIE_TRITON_LOG_LEVEL", "INFO"), stream=sys.stderr,
+            format="%(asctime)s %(levelname)s [model] %(name)s: %(message)s",
+        )
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        _configure_logging()
+        import torch  # noqa: F401  (fail loudly here if the execution env is wrong)
+
+        log.info("python %s, torch %s, model dir %s", sys.version.split()[0], torch.__version__,
+                 args.get("model_repository"))
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("model 'llm' must use the decoupled transaction policy")
+        settings = load_settings(os.environ.get("MINDIE_TRITON_CONFIG") or None)
+        from llm_engine.factory import build_engine
+        from triton_metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(args["model_name"], settings.model.modelName)
+        device_id = self._device_id(args, settings)
+        self.engine = build_engine(settings, device_id=device_id, metrics=self.metrics)
+        self.max_n = settings.schedule.maxN
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
+        self._sender.start()
+        self.engine.start()
+
+    @staticmethod
+    def _device_id(args: dict, settings) -> int:
+        """Instance i on an accelerator uses npuDeviceIds[0][i % len]; Triton's id on KIND_GPU."""
+        if args.get("model_instance_kind") == "GPU":
+            return int(args.get("model_instance_device_id", 0))
+        ids = settings.BackendConfig.npuDeviceIds[0] if settings.BackendConfig.npuDeviceIds else [0]
+        name = args.get("model_instance_name", "")
+        try:
+            index = int(name.rsplit("_", 1)[-1])
+        except ValueError:
+            index = 0
+        return ids[index % len(ids)] if ids else 0
+
+    # -- requests in ---------------------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except EngineError as exc:
+                self._send_error(sender, exc)
+            except Exception as exc:  # never leave a request without its FINAL
+                log.exception("could not submit a request")
+                self._send_error(sender, EngineError(f"internal error: {exc}"))
+        return None
+
+    def _submit(self, request, sender) -> None:
+        prompt_ids = self._prompt_ids(request)
+        raw = _scalar(request, "sampling_parameters")
+        params = parse_sampling_parameters(raw, max_n=self.max_n)
+        stream_flag = _scalar(request, "stream")
+        stream = True if stream_flag is None else bool(stream_flag)
+        req_id = request.request_id() or f"triton-{id(request):x}"
+        req = Request(
+            request_id=req_id, prompt_ids=prompt_ids, params=params, stream=stream,
+            emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0)),
+            is_cancelled=sender.is_cancelled,
+        )
+        self.engine.prepare(req)
+        self.engine.submit(req)
+        self.metrics.on_request(len(prompt_ids))
+
+    def _prompt_ids(self, request) -> list[int]:
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids is not None:
+            arr = ids.as_numpy().reshape(-1)
+            return [int(t) for t in arr]
+        text = _scalar(request, "text_input")
+        if text is None:
+            raise InvalidParameter("either text_input or input_ids must be given")
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidParameter("text_input must be UTF-8") from None
+        return self.engine.tokenizer(text).input_ids
+
+    # -- responses out -------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            sender, out, t0 = item
+            try:
+                if isinstance(out, Exception):
+                    self._send_error(sender, out)
+                    continue
+                self.metrics.on_output(out, t0, id(sender))
+                sender.send(_response(out), flags=FINAL if out.final else 0)
+            except Exception:
+                log.exception("failed to send a response")
+
+    @staticmethod
+    def _send_error(sender, exc: Exception) -> None:
+        message = exc.wire() if isinstance(exc, EngineError) else str(exc)
+        try:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        except Exception:
+            log.exception("failed to send an error response")
+
+    def finalize(self) -> None:
+        log.info("finalizing: stopping the engine")
+        self.engine.stop()
+        self._outbox.put(None)
+        self._sender.join(timeout=10)
+
+
+def _scalar(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    arr = tensor.as_numpy().reshape(-1)
+    return arr[0] if arr.size else None
+
+
+def _response(out: StepOutput):
+    def t(name, value, dtype):
+        return pb_utils.Tensor(name, np.asarray(value, dtype=dtype).reshape(1, -1))
+
+    tensors = [
+        t("text_output", [out.text.encode("utf-8")], np.object_),
+        t("index", [out.index], np.int32),
+        t("token_ids", out.token_ids, np.int64),
+        t("finish_reason", [out.finish_reason.encode()], np.object_),
+        t("prompt_tokens", [out.prompt_tokens], np.int32),
+        t("cached_tokens", [out.cached_tokens], np.int32),
+        t("completion_tokens", [out.completion_tokens], np.int32),
+        t("cumulative_logprob", [out.cumulative_logprob], np.float32),
+        t("seed", [out.seed], np.uint64),
+        t("batch_size", out.batch_size, np.int32),
+        t("queue_wait_us", out.queue_wait_us, np.int64),
+        t("logprobs", [json.dumps(out.logprobs).encode() if out.logprobs is not None else b""], np.object_),
+    ]
+    return pb_utils.InferenceResponse(output_tensors=tensors)

@@ -1,0 +1,98 @@
+"""Engine metrics exported through Triton's own /metrics (``pb_utils.MetricFamily``).
+
+Triton's request-duration metrics mislead for decoupled models, so the engine
+reports LLM-native ones: TTFT, time per output token, queue time, running and
+waiting sequences, KV-cache usage, tokens in and out, cancellations.
+"""
+
+from __future__ import annotations
+
+import time
+
+import triton_python_backend_utils as pb_utils
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+_FAMILIES: list = []  # a MetricFamily must outlive its metrics, so keep every one alive
+
+
+def _family(name: str, doc: str, kind):
+    family = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
+    _FAMILIES.append(family)
+    return family
+
+
+class EngineMetrics:
+    def __init__(self, triton_model: str, served_name: str):
+        labels = {"model": triton_model, "model_name": served_name}
+        G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        hist = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
+        self.running = _family("llm_num_requests_running", "requests in the running batch", G).Metric(labels)
+        self.waiting = _family("llm_num_requests_waiting", "requests waiting for admission", G).Metric(labels)
+        self.kv_usage = _family("llm_kv_cache_usage_perc", "share of KV-cache blocks in use", G).Metric(labels)
+        self.batch = _family("llm_step_batch_size", "sequences in the last engine step", G).Metric(labels)
+        self.steps = _family("llm_engine_steps_total", "engine steps run", C).Metric(labels)
+        self.preempt = _family("llm_preemptions_total", "sequences preempted for KV space", C).Metric(labels)
+        self.requests = _family("llm_request_received_total", "requests accepted by the engine", C).Metric(labels)
+        self.prompt_tokens = _family("llm_prompt_tokens_total", "prompt tokens received", C).Metric(labels)
+        self.gen_tokens = _family("llm_generation_tokens_total", "tokens generated", C).Metric(labels)
+        self.cancelled = _family("llm_request_cancelled_total", "requests dropped on cancellation",
+                                 C).Metric(labels)
+        self.finished = _family("llm_request_success_total", "requests finished normally", C).Metric(labels)
+        if hist is not None:
+            def h(name, doc):
+                return _family(name, doc, hist).Metric(labels, buckets=LATENCY_BUCKETS)
+        else:  # older Triton: export sums as counters instead
+            def h(name, doc):
+                return _CounterAsHistogram(_family(name + "_sum", doc, C).Metric(labels))
+        self.ttft = h("llm_time_to_first_token_seconds", "arrival to first token")
+        self.tpot = h("llm_time_per_output_token_seconds", "gap between output tokens")
+        self.queue = h("llm_queue_time_seconds", "arrival to first scheduling")
+        self._last: dict[int, float] = {}
+        self._preemptions = 0
+
+    def on_request(self, prompt_tokens: int) -> None:
+        self.requests.increment(1)
+        self.prompt_tokens.increment(prompt_tokens)
+
+    def on_step(self, engine) -> None:
+        sched = engine.scheduler
+        self.steps.increment(1)
+        self.running.set(len(sched.running))
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(engine.blocks.usage)
+        if sched.num_preemptions != self._preemptions:
+            self.preempt.increment(sched.num_preemptions - self._preemptions)
+            self._preemptions = sched.num_preemptions
+
+    def on_output(self, out, t0: float, request_key: int) -> None:
+        """Called by the sender thread for every response."""
+        now = time.monotonic()
+        key = (request_key, out.index)
+        n = len(out.token_ids)
+        if n:
+            self.gen_tokens.increment(n)
+            last = self._last.get(key)
+            if last is None:
+                self.ttft.observe(now - t0)
+                if out.queue_wait_us:
+                    self.queue.observe(out.queue_wait_us[0] / 1e6)
+            else:
+                self.tpot.observe((now - last) / n)
+            self._last[key] = now
+        if out.finish_reason:
+            self._last.pop(key, None)
+            if out.finish_reason == "cancelled":
+                self.cancelled.increment(1)
+            elif out.finish_reason in ("stop", "length"):
+                self.finished.increment(1)
+        self.batch.set(out.batch_size[-1] if out.batch_size else 0)
+
+
+class _CounterAsHistogram:
+    def __init__(self, counter):
+        self.counter = counter
+
+    def observe(self, value: float) -> None:
+        self.counter.increment(value)
