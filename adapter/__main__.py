@@ -1,0 +1,72 @@
+"""Run the adapter alone: ``python -m adapter --config conf/config.json``.
+
+Uvicorn serves it with MindIE's listener settings (address, port, TLS) and h11
+limits on header size. SIGTERM first flips readiness and answers new inference
+requests with 503, lets in-flight requests drain for ``drainTimeout`` seconds,
+then stops; a second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import uvicorn
+
+from adapter.app import create_app
+from llm_engine.config import load_settings
+
+log = logging.getLogger("adapter")
+
+MAX_HEADER_BYTES = 16 * 1024  # h11 rejects a request whose head (all headers) is larger
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, admission, drain_timeout: float):
+        super().__init__(config)
+        self.admission = admission
+        self.drain_timeout = drain_timeout
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        self.admission.stopping = True
+        log.info("signal %s: draining %d in-flight requests (up to %.0fs)", sig, self.admission.in_flight,
+                 self.drain_timeout)
+        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.admission.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("drained (%d still in flight); stopping", self.admission.in_flight)
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default=None, help="settings file (default: $MINDIE_TRITON_CONFIG or conf/config.json)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [adapter] %(name)s: %(message)s")
+    settings = load_settings(args.config)
+    srv = settings.server
+    app = create_app(settings)
+    ssl = {}
+    if srv.httpsEnabled:
+        ssl = {"ssl_certfile": srv.tlsCert, "ssl_keyfile": srv.tlsPk}
+        if srv.tlsCaFile:
+            ssl["ssl_ca_certs"] = srv.tlsCaFile
+    config = uvicorn.Config(
+        app, host=srv.ipAddress, port=srv.port, log_level="info", access_log=False,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES, http="h11",
+        limit_concurrency=srv.maxLinkNum * 3, timeout_graceful_shutdown=5, **ssl,
+    )
+    DrainingServer(config, app.state.admission, srv.drainTimeout).run()
+
+
+if __name__ == "__main__":
+    main()

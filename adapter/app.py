@@ -1,0 +1,112 @@
+"""The FastAPI application: routes, error envelope, health, models, metrics and guards."""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from adapter import completions, infer
+from adapter.errors import MindIEError, error_body
+from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit
+from adapter.metrics import REGISTRY, MetricsMiddleware
+from adapter.service import ClientGone, Service
+from adapter.triton import TritonClient
+from llm_engine.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, tokenizer=None) -> FastAPI:
+    admission = AdmissionState()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        t = settings.triton
+        triton = TritonClient(f"{t.grpcAddress}:{t.grpcPort}", t.modelName)
+        app.state.service = Service(settings, triton, tokenizer)
+        log.info("adapter serving model %s through Triton gRPC %s:%s", settings.model.modelName,
+                 t.grpcAddress, t.grpcPort)
+        yield
+        await triton.close()
+
+    app = FastAPI(title="MindIE Server API on Triton", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.admission = admission
+    app.state.settings = settings
+    app.include_router(completions.router)
+    app.include_router(infer.router)
+
+    @app.exception_handler(MindIEError)
+    async def mindie_error(_: Request, exc: MindIEError):
+        return Response(json.dumps(error_body(exc), separators=(",", ":"), ensure_ascii=False),
+                        status_code=exc.status, media_type="application/json")
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone):
+        return Response(status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        if exc.status_code in (404, 405):
+            return Response(status_code=404)  # MindIE answers unknown routes with an empty 404
+        return Response(status_code=exc.status_code)
+
+    async def ready(request: Request) -> bool:
+        return await request.app.state.service.triton.ready()
+
+    @app.get("/health", include_in_schema=False)
+    async def health(request: Request):
+        if admission.stopping:
+            return JSONResponse({"error": "The service has been stopped", "error_type": "Service Unavailable"},
+                                status_code=503)
+        return Response(status_code=200 if await ready(request) else 503)
+
+    @app.get("/v2/health/live", include_in_schema=False)
+    async def live():
+        return Response(status_code=200)
+
+    @app.get("/v2/health/ready", include_in_schema=False)
+    async def ready_route(request: Request):
+        if admission.stopping:
+            return JSONResponse({"message": "Service is stopping"}, status_code=503)
+        if await ready(request):
+            return Response(status_code=200)
+        return JSONResponse({"message": "Model is not ready"}, status_code=503)
+
+    @app.get("/v2/models/{model}/ready", include_in_schema=False)
+    async def model_ready(model: str, request: Request):
+        if model != settings.model.modelName:
+            return Response(status_code=404)
+        return await health(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        svc: Service = request.app.state.service
+        body = {"object": "list", "data": [{"id": svc.model_name, "object": "model", "root": svc.model_root,
+                                            "owned_by": "MindIE Server", "parent": "null"}]}
+        return Response(json.dumps(body, indent=4), media_type="application/json")
+
+    @app.get("/v1/models/{model}")
+    async def model_info(model: str, request: Request):
+        svc: Service = request.app.state.service
+        if model != svc.model_name:
+            return JSONResponse({"error": f"Model {model} not found.", "error_type": "NotFoundError"},
+                                status_code=404)
+        return {"id": svc.model_name, "object": "model", "created": svc.started, "owned_by": "MindIE Server"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics():
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    srv = settings.server
+    app.add_middleware(Admission, state=admission, limit=srv.maxLinkNum)
+    app.add_middleware(BodyLimit, max_bytes=srv.maxRequestLength * 2**20, mib=srv.maxRequestLength)
+    app.add_middleware(ApiKey, key=srv.apiKey)
+    app.add_middleware(MetricsMiddleware)
+    return app

@@ -1,0 +1,147 @@
+"""``POST /v1/completions``: MindIE's OpenAI-style completions, plain and SSE."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from adapter.errors import MindIEError
+from adapter.protocol.common import GenerationPlan
+from adapter.protocol.completions import CompletionRequest, CompletionResponse, parse_completion_request
+from adapter.service import ClientGone, DeadlineExceeded, Service, until_disconnect
+from adapter.sse import DONE, compact, event
+from adapter.triton import Chunk
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def clean(text: str) -> str:
+    """Drop ASCII control characters other than \\n, \\r, \\t (MindIE does)."""
+    return _CONTROL.sub("", text)
+
+
+def finish_reason(engine_reason: str) -> str | None:
+    if not engine_reason:
+        return None
+    return "length" if engine_reason == "length" else "stop"
+
+
+class LogprobBuilder:
+    """Builds MindIE's logprobs objects; ``text_offset`` runs on across choices in UTF-8 bytes."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def build(self, entries: list[dict]) -> dict:
+        out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for e in entries:
+            out["text_offset"].append(self.offset)
+            self.offset += len(e["token"].encode("utf-8"))
+            out["token_logprobs"].append(e["logprob"])
+            out["tokens"].append(e["token"])
+            top = {e["token"]: e["logprob"]}
+            for tok, lp in e["top"]:
+                top.setdefault(tok, lp)
+            out["top_logprobs"].append(top)
+        return out
+
+
+def usage(chunks: list[Chunk], completion_tokens: int) -> dict:
+    first = chunks[0]
+    longest = max(chunks, key=lambda c: len(c.batch_size))
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "completion_tokens": completion_tokens,
+        "total_tokens": first.prompt_tokens + completion_tokens,
+        "batch_size": longest.batch_size,
+        "queue_wait_time": longest.queue_wait_us,
+    }
+
+
+@router.post("/v1/completions", response_model=CompletionResponse,
+             openapi_extra={"requestBody": {"content": {"application/json": {
+                 "schema": CompletionRequest.model_json_schema()}}, "required": True}})
+async def completions(request: Request):
+    svc: Service = request.app.state.service
+    raw = await request.body()
+    plan = await svc.plan(parse_completion_request, raw)
+    req_id = svc.request_id(request)
+    if plan.stream and not plan.sampling.get("use_beam_search"):
+        return StreamingResponse(_stream(svc, plan, req_id), media_type="text/event-stream")
+    body = await until_disconnect(request, _collect(svc, plan, req_id))
+    if plan.stream:  # beam search: a pseudo-stream with one event
+        return StreamingResponse(_once(body), media_type="text/event-stream")
+    return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
+
+
+async def _once(body: dict) -> AsyncIterator[bytes]:
+    yield event(body)
+    yield DONE
+
+
+async def _collect(svc: Service, plan: GenerationPlan, req_id: str) -> dict:
+    per_index: dict[int, list[Chunk]] = {}
+    try:
+        async for chunk in svc.chunks(req_id, plan, stream=False):
+            per_index.setdefault(chunk.index, []).append(chunk)
+    except DeadlineExceeded as exc:
+        raise MindIEError(500, str(exc), "Incomplete Generation") from None
+    finals = {i: cs for i, cs in per_index.items()}
+    ordered = sorted(finals.values(), key=lambda cs: cs[-1].cumulative_logprob, reverse=True)
+    ordered = ordered[: plan.num_choices]
+    lp = LogprobBuilder()
+    choices = []
+    for i, cs in enumerate(ordered):
+        entries = [e for c in cs for e in (c.logprobs or [])]
+        choices.append({
+            "index": i,
+            "text": clean("".join(c.text for c in cs)),
+            "logprobs": lp.build(entries) if plan.logprobs is not None else None,
+            "stop_reason": None,
+            "finish_reason": finish_reason(cs[-1].finish_reason) or "stop",
+        })
+    all_chunks = [c for cs in ordered for c in cs]
+    total = sum(cs[-1].completion_tokens for cs in ordered)
+    return {"id": req_id, "object": "text_completion", "created": int(time.time()), "model": plan.model,
+            "choices": choices, "usage": usage(all_chunks, total)}
+
+
+async def _stream(svc: Service, plan: GenerationPlan, req_id: str) -> AsyncIterator[bytes]:
+    full_text = svc.settings.server.fullTextEnabled
+    so_far: dict[int, str] = {}
+    lp = LogprobBuilder()
+    try:
+        async for chunk in svc.chunks(req_id, plan, stream=True):
+            text = clean(chunk.text)
+            so_far[chunk.index] = so_far.get(chunk.index, "") + text
+            logprobs = None
+            if plan.logprobs is not None:
+                logprobs = lp.build((chunk.logprobs or [])[:1])
+            choice = {"index": chunk.index, "text": so_far[chunk.index] if full_text else text,
+                      "logprobs": logprobs, "stop_reason": None,
+                      "finish_reason": finish_reason(chunk.finish_reason)}
+            body = {"id": req_id, "object": "text_completion", "created": int(time.time()),
+                    "model": plan.model, "choices": [choice]}
+            if chunk.finish_reason:
+                body["usage"] = usage([chunk], chunk.completion_tokens)
+            yield event(body)
+        yield DONE
+    except DeadlineExceeded as exc:
+        yield str(exc).encode()
+    except MindIEError as exc:
+        yield event({"error": exc.message, "error_type": exc.error_type})
+    except ClientGone:
+        return
+    except Exception:
+        log.exception("stream %s failed", req_id)
+        yield event({"error": "Failed to get engine response.", "error_type": "Incomplete Generation"})
+
+

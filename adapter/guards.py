@@ -1,0 +1,122 @@
+"""ASGI middleware that protects the inference routes before any handler runs.
+
+* Body size: more than ``maxRequestLength`` MiB gets 413, from ``Content-Length``
+  at once, and for chunked bodies as soon as the running count passes the limit,
+  so a huge body is never buffered.
+* API key: when set, every route except liveness needs ``Authorization: Bearer <key>``
+  (or ``X-API-Key``); compared in constant time and never logged.
+* Admission: at most ``maxLinkNum`` inference requests run at once; past that the
+  answer is an immediate 503 with ``Retry-After``. While stopping, 503 too.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+INFERENCE_PATHS = ("/v1/completions", "/infer")
+OPEN_PATHS = ("/v2/health/live",)
+
+
+async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())] + (headers or [])})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class BodyLimit:
+    def __init__(self, app, max_bytes: int, mib: int):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.message = {"message": f"Request body too large. Maximum allowed size is {mib}MB."}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _send_json(send, 413, self.message, [(b"connection", b"close")])
+        seen = 0
+        too_big = False
+
+        async def limited_receive():
+            nonlocal seen, too_big
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    too_big = True
+                    raise _TooLarge()
+            return message
+
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await _send_json(send, 413, self.message, [(b"connection", b"close")])
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class ApiKey:
+    def __init__(self, app, key: str | None):
+        self.app = app
+        self.key = key.encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-api-key", b"")
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        if not hmac.compare_digest(given, self.key):
+            return await _send_json(send, 401, {"error": "Invalid or missing API key",
+                                                "error_type": "Unauthorized"},
+                                    [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+
+class Admission:
+    def __init__(self, app, state, limit: int):
+        self.app = app
+        self.state = state  # has .stopping and .in_flight
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
+            return await self.app(scope, receive, send)
+        if self.state.stopping:
+            return await _send_json(send, 503, {"error": "The service has been stopped",
+                                                "error_type": "Service Unavailable"},
+                                    [(b"retry-after", b"5")])
+        if self.state.in_flight >= self.limit:
+            return await _send_json(send, 503, {"error": f"Too many requests in flight (maxLinkNum "
+                                                         f"{self.limit}); retry later",
+                                                "error_type": "Service Unavailable"},
+                                    [(b"retry-after", b"1")])
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+
+class AdmissionState:
+    def __init__(self) -> None:
+        self.stopping = False
+        self.in_flight = 0

@@ -1,0 +1,96 @@
+"""``POST /infer``: MindIE's TGI-like text and SSE inference."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from adapter.completions import clean
+from adapter.errors import MindIEError
+from adapter.protocol.common import GenerationPlan
+from adapter.protocol.infer import InferRequest, InferResponse, parse_infer_request
+from adapter.service import ClientGone, DeadlineExceeded, Service, until_disconnect
+from adapter.sse import compact, event
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def finish_reason(engine_reason: str) -> str:
+    return {"stop": "eos_token", "length": "length", "cancelled": "stop_sequence",
+            "error": "stop_sequence"}.get(engine_reason, "invalid flag")
+
+
+def details(plan: GenerationPlan, reason: str, tokens: int, seed: int) -> dict | None:
+    if not plan.details:
+        return None
+    return {"finish_reason": finish_reason(reason), "generated_tokens": tokens, "seed": seed}
+
+
+@router.post("/infer", response_model=InferResponse,
+             openapi_extra={"requestBody": {"content": {"application/json": {
+                 "schema": InferRequest.model_json_schema()}}, "required": True}})
+async def infer(request: Request):
+    svc: Service = request.app.state.service
+    raw = await request.body()
+    plan = await svc.plan(parse_infer_request, raw)
+    req_id = svc.request_id(request)
+    timeout = plan.sampling.get("timeout")
+    if plan.stream:
+        return StreamingResponse(_stream(svc, plan, req_id, timeout), media_type="text/event-stream")
+    body = await until_disconnect(request, _collect(svc, plan, req_id, timeout))
+    return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
+
+
+async def _collect(svc: Service, plan: GenerationPlan, req_id: str, timeout: float | None) -> dict:
+    text, last = "", None
+    try:
+        async for chunk in svc.chunks(req_id, plan, stream=False, client_timeout=timeout):
+            text += chunk.text
+            last = chunk
+    except DeadlineExceeded as exc:
+        raise MindIEError(500, str(exc), "Incomplete Generation") from None
+    body = {"generated_text": clean(text)}
+    if plan.details and last is not None:
+        body["details"] = details(plan, last.finish_reason, last.completion_tokens, last.seed)
+    return body
+
+
+async def _stream(svc: Service, plan: GenerationPlan, req_id: str, timeout: float | None) -> AsyncIterator[bytes]:
+    full_text = svc.settings.server.fullTextEnabled
+    start = prev = time.monotonic()
+    generated = ""
+    first = True
+    try:
+        async for chunk in svc.chunks(req_id, plan, stream=True, client_timeout=timeout):
+            now = time.monotonic()
+            if first:
+                timing = {"prefill_time": round((now - start) * 1000, 3), "decode_time": None}
+            else:
+                timing = {"prefill_time": None, "decode_time": round((now - prev) * 1000, 3)}
+            prev = now
+            first = False
+            text = clean(chunk.text)
+            generated += text
+            if chunk.final:
+                body = dict(timing)
+                body["generated_text"] = generated
+                body["details"] = details(plan, chunk.finish_reason, chunk.completion_tokens, chunk.seed)
+                body["token"] = {"id": chunk.token_ids, "text": None}
+                yield event(body)
+                return
+            body = dict(timing, token={"id": chunk.token_ids, "text": generated if full_text else text})
+            yield event(body)
+    except DeadlineExceeded as exc:
+        yield str(exc).encode()
+    except MindIEError as exc:
+        yield event({"error": exc.message, "error_type": exc.error_type})
+    except ClientGone:
+        return
+    except Exception:
+        log.exception("stream %s failed", req_id)
+        yield event({"error": "Failed to get engine response.", "error_type": "Incomplete Generation"})

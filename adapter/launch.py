@@ -1,0 +1,168 @@
+"""Start and supervise the whole stack: the real ``tritonserver`` plus the adapter.
+
+``python -m adapter.launch [--config conf/config.json]`` (what ``make serve`` runs):
+
+1. converts the default GGUF model once (progress is shown), so Triton's load is quick;
+2. starts tritonserver on loopback with this repository, and waits until the model is ready;
+3. starts the adapter (uvicorn) and prints where to send requests;
+4. restarts either process if it dies, and restarts Triton when its model stops
+   being ready (e.g. the Python stub was killed);
+5. on Ctrl-C / SIGTERM drains the adapter first, then stops Triton, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from adapter.tritonserver import REPO_ROOT, prepare_backend, triton_command, triton_env
+from llm_engine.config import CONFIG_ENV, default_config_path, load_settings
+from llm_engine.weights import resolve_model_dir
+
+log = logging.getLogger("launch")
+
+
+class Supervisor:
+    def __init__(self, config_path: Path, model_repository: Path, health_interval: float = 2.0):
+        self.config_path = config_path
+        self.settings = load_settings(config_path)
+        self.model_repository = model_repository
+        self.health_interval = health_interval
+        self.paths = prepare_backend()
+        self.env = triton_env(self.paths, config_path)
+        self.triton: subprocess.Popen | None = None
+        self.adapter: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+        self.restarts = 0
+
+    # -- processes ------------------------------------------------------------------
+    def _triton_ready(self) -> bool:
+        t = self.settings.triton
+        try:
+            r = httpx.get(f"http://{t.httpAddress}:{t.httpPort}/v2/models/{t.modelName}/ready", timeout=2)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_triton(self, timeout: float = 600) -> None:
+        cmd = triton_command(self.paths, self.settings, self.model_repository)
+        log.info("starting tritonserver (model %s)", self.settings.triton.modelName)
+        self.triton = subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if self.triton.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.triton.returncode} while loading")
+            if self._triton_ready():
+                log.info("Triton model ready")
+                return
+            time.sleep(0.5)
+        if not self.stopping.is_set():
+            raise RuntimeError("Triton model did not become ready in time")
+
+    def start_adapter(self) -> None:
+        cmd = [sys.executable, "-m", "adapter", "--config", str(self.config_path)]
+        self.adapter = subprocess.Popen(cmd, env=self.env, cwd=REPO_ROOT, start_new_session=True)
+        srv = self.settings.server
+        scheme = "https" if srv.httpsEnabled else "http"
+        base = f"{scheme}://{srv.ipAddress}:{srv.port}"
+        log.info("adapter starting: send requests to %s/v1/completions and %s/infer", base, base)
+        print(f"\n  MindIE API ready at {base}  (POST /v1/completions, POST /infer; Ctrl-C stops)\n",
+              flush=True)
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen | None, timeout: float, name: str) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        log.info("stopping %s", name)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs; killing it", name, timeout)
+            proc.kill()
+            proc.wait()
+
+    # -- supervision ------------------------------------------------------------------
+    def run(self) -> int:
+        resolve_model_dir(self.settings.model.modelWeightPath)  # one-time GGUF conversion, with progress
+        self.start_triton()
+        if self.stopping.is_set():
+            return 0
+        self.start_adapter()
+        unready_since = None
+        while not self.stopping.wait(self.health_interval):
+            if self.triton.poll() is not None:
+                log.error("tritonserver exited with %s; restarting it", self.triton.returncode)
+                self._restart_triton()
+                unready_since = None
+                continue
+            if self.adapter.poll() is not None:
+                log.error("adapter exited with %s; restarting it", self.adapter.returncode)
+                self.start_adapter()
+            if self._triton_ready():
+                unready_since = None
+            elif unready_since is None:
+                unready_since = time.monotonic()
+            elif time.monotonic() - unready_since > 3 * self.health_interval:
+                log.error("Triton model not ready for %.0fs (stub dead?); restarting Triton",
+                          time.monotonic() - unready_since)
+                self._restart_triton()
+                unready_since = None
+        return 0
+
+    def _restart_triton(self) -> None:
+        self.restarts += 1
+        self._stop(self.triton, self.settings.triton.exitTimeoutSecs + 5, "tritonserver")
+        try:
+            self.start_triton()
+        except RuntimeError:
+            log.exception("Triton restart failed; will retry")
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        self._stop(self.adapter, self.settings.server.drainTimeout + 10, "adapter")
+        self._stop(self.triton, self.settings.triton.exitTimeoutSecs + 10, "tritonserver")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=os.environ.get(CONFIG_ENV) or str(default_config_path()))
+    parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
+    parser.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
+    parser.add_argument("--backend-dir", help="Triton backends directory (with --tritonserver)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [launch] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.tritonserver:
+        os.environ["TRITONSERVER_BIN"] = args.tritonserver
+    if args.backend_dir:
+        os.environ["TRITON_BACKEND_DIR"] = args.backend_dir
+    sup = Supervisor(Path(args.config).resolve(), Path(args.model_repository).resolve())
+
+    def on_signal(signum, _frame):
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        sup.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        sup.run()
+    except Exception:
+        log.exception("launch failed")
+        sup.shutdown()
+        return 1
+    sup.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

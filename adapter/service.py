@@ -1,0 +1,151 @@
+"""What both endpoints share: request ids, tokenization, validation off the event loop,
+the Triton call with MindIE's timeouts, and the mapping of engine errors to MindIE statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from adapter.errors import MindIEError, generation_error, incomplete_error, unavailable_error, validation_error
+from adapter.protocol.common import GenerationPlan
+from adapter.triton import Chunk, TritonClient, TritonError
+from llm_engine.config import Settings
+from llm_engine.weights import model_limits, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+
+class DeadlineExceeded(Exception):
+    """A MindIE timeout fired; ``which`` is ``client timeout``, ``server tokenTimeout`` or ``server e2eTimeout``."""
+
+    def __init__(self, which: str):
+        super().__init__(f"Engine callback timeout: {which}")
+        self.which = which
+
+
+def to_mindie(exc: TritonError) -> MindIEError:
+    if exc.status == 400:
+        return validation_error(exc.message)
+    if exc.status == 424:
+        return generation_error(exc.message)
+    if exc.status == 503:
+        return unavailable_error(exc.message)
+    return incomplete_error(exc.message)
+
+
+class Service:
+    def __init__(self, settings: Settings, triton: TritonClient, tokenizer=None):
+        self.settings = settings
+        self.triton = triton
+        self.model_name = settings.model.modelName
+        model_dir = resolve_model_dir(settings.model.modelWeightPath)
+        self.model_root = model_dir.name
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = tokenizer
+        limits = model_limits(Path(model_dir))
+        self.vocab_size = limits["vocab_size"] or len(tokenizer)
+        self.started = int(time.time())
+        self._ids = itertools.count()
+        self.stopping = False
+
+    # -- per request -------------------------------------------------------------------
+    def request_id(self, request: Request) -> str:
+        given = request.headers.get("req-id")
+        return given if given else f"endpoint_common_{next(self._ids)}"
+
+    async def plan(self, parser: Callable, raw: bytes) -> GenerationPlan:
+        """Validate in a worker thread (tokenizing 4 MB must not block the loop)."""
+        seen: dict[str, list[int]] = {}
+
+        def tokenize(text: str) -> list[int]:
+            ids = self.tokenizer(text).input_ids
+            seen[text] = ids
+            return ids
+
+        plan = await run_in_threadpool(parser, raw, self.settings, tokenize, self.vocab_size)
+        if plan.prompt_ids is None and plan.prompt_text in seen:
+            plan.prompt_ids = seen[plan.prompt_text]  # tokenized once, here
+        return plan
+
+    async def chunks(self, request_id: str, plan: GenerationPlan, *, stream: bool,
+                     client_timeout: float | None = None) -> AsyncIterator[Chunk]:
+        """The model's responses, with MindIE's deadlines applied to every wait.
+
+        ``tokenTimeout`` and the client timeout bound each wait in a stream and the
+        whole wait otherwise; ``e2eTimeout`` bounds the request from arrival.
+        """
+        srv = self.settings.server
+        start = time.monotonic()
+        e2e_deadline = start + srv.e2eTimeout
+        whole = None if stream else start + min(srv.tokenTimeout, client_timeout or srv.tokenTimeout)
+        sampling = dict(plan.sampling)
+        sampling.pop("timeout", None)  # deadlines are enforced here, per MindIE's rules
+        gen = self.triton.generate(request_id, sampling, prompt_ids=plan.prompt_ids,
+                                   prompt_text=plan.prompt_text, stream=stream)
+        try:
+            while True:
+                now = time.monotonic()
+                waits = {"server e2eTimeout": e2e_deadline - now}
+                if whole is not None:
+                    key = "client timeout" if client_timeout and client_timeout <= srv.tokenTimeout \
+                        else "server tokenTimeout"
+                    waits[key] = whole - now
+                else:
+                    waits["server tokenTimeout"] = float(srv.tokenTimeout)
+                    if client_timeout:
+                        waits["client timeout"] = float(client_timeout)
+                which = min(waits, key=waits.get)
+                try:
+                    chunk = await asyncio.wait_for(gen.__anext__(), timeout=max(0.0, waits[which]))
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(which) from None
+                except TritonError as exc:
+                    raise to_mindie(exc) from None
+                yield chunk
+                if chunk.final:
+                    return
+        finally:
+            await gen.aclose()
+
+
+async def until_disconnect(request: Request, work):
+    """Run ``work`` (a coroutine) but cancel it if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""

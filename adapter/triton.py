@@ -1,0 +1,170 @@
+"""The only module that speaks to Triton: one gRPC bidirectional stream per HTTP request.
+
+gRPC streaming is used rather than HTTP ``generate_stream`` because cancelling the
+call reaches the model at its next step (``response_sender.is_cancelled()``), also
+while the request is queued or prefilling, whereas a closed HTTP connection is only
+noticed when the server next writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tritonclient.grpc.aio import InferenceServerClient, InferInput
+from tritonclient.utils import InferenceServerException
+
+from llm_engine.errors import parse_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Chunk:
+    """One response of the ``llm`` model (see ``llm_engine.contract``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cumulative_logprob: float
+    seed: int
+    batch_size: list[int]
+    queue_wait_us: list[int]
+    logprobs: list[dict] | None
+    final: bool
+
+
+class TritonError(Exception):
+    """Triton or the model answered with an error; ``status`` is the HTTP status to use."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class TritonUnavailable(TritonError):
+    def __init__(self, message: str):
+        super().__init__(503, message)
+
+
+def _input(name: str, array: np.ndarray, dtype: str) -> InferInput:
+    tensor = InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _chunk(result) -> Chunk:
+    def one(name):
+        return result.as_numpy(name).reshape(-1)
+
+    lp = one("logprobs")[0]
+    return Chunk(
+        index=int(one("index")[0]),
+        text=one("text_output")[0].decode("utf-8", "replace"),
+        token_ids=[int(t) for t in one("token_ids")],
+        finish_reason=one("finish_reason")[0].decode(),
+        prompt_tokens=int(one("prompt_tokens")[0]),
+        cached_tokens=int(one("cached_tokens")[0]),
+        completion_tokens=int(one("completion_tokens")[0]),
+        cumulative_logprob=float(one("cumulative_logprob")[0]),
+        seed=int(one("seed")[0]),
+        batch_size=[int(x) for x in one("batch_size")],
+        queue_wait_us=[int(x) for x in one("queue_wait_us")],
+        logprobs=json.loads(lp) if lp else None,
+        final=bool(result.get_response().parameters["triton_final_response"].bool_param),
+    )
+
+
+class TritonClient:
+    def __init__(self, url: str, model: str):
+        self.url = url
+        self.model = model
+        self._client: InferenceServerClient | None = None
+        self._ready_cache: tuple[float, bool] = (0.0, False)
+
+    def _get(self) -> InferenceServerClient:
+        if self._client is None:
+            self._client = InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def ready(self, max_age: float = 1.0) -> bool:
+        """Whether Triton answers and the model is ready (cached for ``max_age`` seconds)."""
+        now = time.monotonic()
+        if now - self._ready_cache[0] < max_age:
+            return self._ready_cache[1]
+        try:
+            ok = await asyncio.wait_for(self._get().is_model_ready(self.model), timeout=2.0)
+        except Exception:
+            ok = False
+        self._ready_cache = (now, bool(ok))
+        return bool(ok)
+
+    def invalidate(self) -> None:
+        self._ready_cache = (0.0, False)
+
+    async def generate(self, request_id: str, sampling: dict, *, prompt_ids: list[int] | None = None,
+                       prompt_text: str | None = None, stream: bool = True) -> AsyncIterator[Chunk]:
+        """Yield the model's responses until the final one.
+
+        Leaving the loop early (``break``, an exception, task cancellation) cancels the
+        gRPC call, and the engine drops the request at its next step.
+        """
+        inputs = [
+            _input("stream", np.array([[stream]], dtype=bool), "BOOL"),
+            _input("sampling_parameters", np.array([[json.dumps(sampling).encode()]], dtype=object), "BYTES"),
+        ]
+        if prompt_ids is not None:
+            inputs.append(_input("input_ids", np.array([prompt_ids], dtype=np.int64), "INT64"))
+        else:
+            inputs.append(_input("text_input", np.array([[(prompt_text or "").encode()]], dtype=object),
+                                 "BYTES"))
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+
+        try:
+            call = self._get().stream_infer(requests())
+        except Exception as exc:
+            self.invalidate()
+            raise TritonUnavailable(f"Triton is unreachable: {exc}") from exc
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    status, message = parse_error(str(error.message() if hasattr(error, "message") else error))
+                    finished = True
+                    raise TritonError(status, message)
+                chunk = _chunk(result)
+                yield chunk
+                if chunk.final:
+                    finished = True
+                    return
+            finished = True
+            raise TritonUnavailable("the model stream ended without a final response")
+        except InferenceServerException as exc:
+            finished = True
+            self.invalidate()
+            raise TritonUnavailable(f"Triton stream failed: {exc}") from exc
+        except grpc.RpcError as exc:
+            finished = True
+            self.invalidate()
+            raise TritonUnavailable(f"Triton stream failed: {exc}") from exc
+        finally:
+            if not finished:
+                call.cancel()
