@@ -70,7 +70,11 @@ class Supervisor:
 
     def start_adapter(self) -> None:
         cmd = [sys.executable, "-m", "adapter", "--config", str(self.config_path)]
-        self.adapter = subprocess.Popen(cmd, env=self.env, cwd=REPO_ROOT, start_new_session=True)
+        env = dict(self.env)
+        # the engine package lives in the model repository; make it importable without an install
+        paths = [str(REPO_ROOT), str(self.model_repository / "llm" / "1"), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        self.adapter = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, start_new_session=True)
         srv = self.settings.server
         scheme = "https" if srv.httpsEnabled else "http"
         base = f"{scheme}://{srv.ipAddress}:{srv.port}"

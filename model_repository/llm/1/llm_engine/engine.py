@@ -150,6 +150,7 @@ class Engine:
             except Exception:  # a bug must not kill the loop; fail what ran and go on
                 log.exception("engine step failed")
 
+    @torch.inference_mode()
     def step(self) -> None:
         self._drop_cancelled()
         plan = self.scheduler.schedule()

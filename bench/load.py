@@ -1,0 +1,104 @@
+"""Closed-loop streaming clients: ``c`` concurrent clients, each sending its requests in turn.
+
+Used for the stack (SSE over HTTP with httpx) and for the engine alone (in-process
+``Engine.submit`` with an emit callback): both produce :class:`StreamTrace` records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from bench.stats import RunResult, StreamTrace, from_traces
+from bench.workload import Workload
+
+log = logging.getLogger(__name__)
+
+OneRequest = Callable[[str], Awaitable[StreamTrace]]
+
+
+async def closed_loop(one: OneRequest, prompts: list[str], concurrency: int) -> tuple[list[StreamTrace], float]:
+    """Run ``prompts`` through ``concurrency`` clients; return the traces and the wall time."""
+    queues = [prompts[i::concurrency] for i in range(concurrency)]
+    traces: list[StreamTrace] = []
+
+    async def client(mine: list[str]) -> None:
+        for prompt in mine:
+            traces.append(await one(prompt))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(q) for q in queues))
+    return traces, time.perf_counter() - t0
+
+
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+
+
+async def sse_request(client: httpx.AsyncClient, url: str, body: dict) -> StreamTrace:
+    """One streaming ``/v1/completions`` call; a token arrival is any event that carries a choice."""
+    trace = StreamTrace(sent=time.perf_counter())
+    events = 0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                trace.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return trace
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                msg = json.loads(data)
+                if "error" in msg:
+                    trace.error = str(msg["error"])
+                    return trace
+                if msg.get("choices"):
+                    trace.token_times.append(now)
+                    events += 1
+                    usage = msg.get("usage")
+                    if usage:
+                        trace.tokens = int(usage.get("completion_tokens", 0))
+    except (httpx.HTTPError, ValueError) as exc:
+        trace.error = f"{type(exc).__name__}: {exc}"
+        return trace
+    trace.tokens = trace.tokens or events
+    return trace
+
+
+async def drive_stack(base_url: str, model: str, workload: Workload, dtype: str) -> list[RunResult]:
+    """The stack at each concurrency of ``workload``, after one warm-up request."""
+    url = f"{base_url}/v1/completions"
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    results = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        warm = await sse_request(client, url, completion_body(model, "Hello, warm-up.", workload.max_tokens))
+        if warm.error:
+            raise RuntimeError(f"the stack's warm-up request failed: {warm.error}")
+
+        async def one(prompt: str) -> StreamTrace:
+            return await sse_request(client, url, completion_body(model, prompt, workload.max_tokens))
+
+        for c in workload.concurrencies:
+            traces, wall = await closed_loop(one, workload.prompts_for(c), c)
+            res = from_traces("stack", c, dtype, traces, wall)
+            _log_result(res, traces)
+            results.append(res)
+    return results
+
+
+def _log_result(res: RunResult, traces: list[StreamTrace]) -> None:
+    summary = res.summary()
+    log.info("%s c=%d: %s tok/s, TTFT p50 %s ms, ITL p50 %s ms, %d errors", res.system, res.concurrency,
+             summary["tok_per_s"], summary["ttft_p50_ms"], summary["itl_p50_ms"], res.errors)
+    for t in traces:
+        if t.error:
+            log.warning("%s c=%d request failed: %s", res.system, res.concurrency, t.error)

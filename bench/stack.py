@@ -1,0 +1,124 @@
+"""Start and stop a private copy of the whole stack (``python -m adapter.launch``) on free ports.
+
+The bench never touches a stack already serving on the configured ports: it writes
+a temporary settings file with fresh ports, launches its own supervisor, and sends
+it SIGTERM at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "conf" / "config.json"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports that are free on loopback right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_settings(base: Path, target: Path, ports: list[int]) -> dict:
+    """Copy ``base`` to ``target`` with the adapter and Triton moved to ``ports`` (4 of them)."""
+    cfg = json.loads(base.read_text())
+    cfg.setdefault("ServerConfig", {})["port"] = ports[0]
+    cfg["ServerConfig"]["httpsEnabled"] = False
+    tc = cfg.setdefault("TritonConfig", {})
+    tc["httpPort"], tc["grpcPort"], tc["metricsPort"] = ports[1], ports[2], ports[3]
+    target.write_text(json.dumps(cfg, indent=2))
+    return cfg
+
+
+class Stack:
+    """A supervised tritonserver + adapter owned by the bench."""
+
+    def __init__(self, log_path: Path, base_config: Path = DEFAULT_CONFIG):
+        self.log_path = log_path
+        self.base_config = base_config
+        self.tmpdir = tempfile.TemporaryDirectory(prefix="mindie-bench-")
+        self.config_path = Path(self.tmpdir.name) / "config.json"
+        self.proc: subprocess.Popen | None = None
+        self.base_url = ""
+        self.model_name = ""
+
+    def start(self, timeout: float = 900.0) -> None:
+        ports = free_ports(4)
+        cfg = write_settings(self.base_config, self.config_path, ports)
+        srv = cfg["ServerConfig"]
+        self.base_url = f"http://{srv.get('ipAddress', '127.0.0.1')}:{ports[0]}"
+        self.model_name = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
+        log.info("starting the stack: adapter %s, triton http/grpc/metrics %s (log: %s)",
+                 self.base_url, ports[1:], self.log_path)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "adapter.launch", "--config", str(self.config_path)],
+            cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"adapter.launch exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.base_url}/v2/health/ready", timeout=2).status_code == 200:
+                    log.info("stack ready")
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"the stack was not ready in {timeout:.0f}s; see {self.log_path}")
+
+    def engine_dtype(self) -> str:
+        """The dtype the Triton model chose, from its "engine ready" log line ("" if not found)."""
+        try:
+            m = re.search(r"engine ready .*?dtype=(\w+)", self.log_path.read_text(errors="replace"))
+        except OSError:
+            return ""
+        return m.group(1) if m else ""
+
+    def stop(self, timeout: float = 90.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            log.info("stopping the stack (pid %d)", self.proc.pid)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("adapter.launch did not stop in %.0fs; killing it", timeout)
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._log.close()
+        self.tmpdir.cleanup()
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

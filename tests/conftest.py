@@ -1,0 +1,122 @@
+"""Shared fixtures. The e2e ones start the REAL stack: tritonserver + the llm model + the adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "model_repository" / "llm" / "1"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _free_port_base() -> int:
+    # Distinct per xdist worker / parallel run; fixed otherwise so logs are easy to read.
+    return int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000"))
+
+
+def write_settings(tmp: Path, **overrides) -> Path:
+    base = _free_port_base()
+    data = json.loads((ROOT / "conf" / "config.json").read_text())
+    data["ServerConfig"]["port"] = base + 25
+    data["ServerConfig"]["drainTimeout"] = 5
+    data["TritonConfig"].update(httpPort=base + 100, grpcPort=base + 101, metricsPort=base + 102,
+                                exitTimeoutSecs=2)
+    sched = data["BackendConfig"]["ScheduleConfig"]
+    sched["kvCacheMemoryMiB"] = 256
+    for section, values in overrides.items():
+        target = data
+        for key in section.split("."):
+            target = target[key]
+        target.update(values)
+    path = tmp / "config.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+class Stack:
+    """A running tritonserver + adapter, driven through adapter.launch.Supervisor."""
+
+    def __init__(self, config_path: Path):
+        from adapter.launch import Supervisor
+
+        self.sup = Supervisor(config_path, ROOT / "model_repository")
+        self.settings = self.sup.settings
+        srv = self.settings.server
+        scheme = "https" if srv.httpsEnabled else "http"
+        self.url = f"{scheme}://{srv.ipAddress}:{srv.port}"
+        t = self.settings.triton
+        self.grpc_url = f"{t.grpcAddress}:{t.grpcPort}"
+        self.triton_http = f"http://{t.httpAddress}:{t.httpPort}"
+        self.metrics_url = f"http://{t.httpAddress}:{t.metricsPort}/metrics"
+
+    def start(self) -> None:
+        self.sup.start_triton(timeout=300)
+        self.sup.start_adapter()
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sup.adapter is not None and self.sup.adapter.poll() is not None:
+                raise RuntimeError(f"adapter exited with {self.sup.adapter.returncode}")
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=2, verify=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("adapter did not become ready")
+
+    def stop(self) -> None:
+        self.sup.shutdown()
+
+    def engine_metric(self, name: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.metrics_url, timeout=5).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """The real stack on test ports, shared by the whole session."""
+    cfg = write_settings(tmp_path_factory.mktemp("stack"))
+    s = Stack(cfg)
+    try:
+        s.start()
+    except Exception:
+        s.stop()
+        raise
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(stack):
+    with httpx.Client(base_url=stack.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from llm_engine.weights import resolve_model_dir
+
+    return resolve_model_dir("")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,133 @@
+"""/v1/completions end to end: real adapter -> Triton gRPC stream -> llm model -> engine."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_NAME
+
+pytestmark = pytest.mark.e2e
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"\n\n"), raw[-50:]
+    return raw[:-2].split(b"\n\n")
+
+
+def test_non_stream_shape(client):
+    r = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "The capital of France is",
+                                              "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert list(body) == ["id", "object", "created", "model", "choices", "usage"]
+    assert body["id"].startswith("endpoint_common_")
+    assert body["object"] == "text_completion" and body["model"] == MODEL_NAME
+    (choice,) = body["choices"]
+    assert list(choice) == ["index", "text", "logprobs", "stop_reason", "finish_reason"]
+    assert choice["index"] == 0 and choice["logprobs"] is None and choice["stop_reason"] is None
+    assert choice["finish_reason"] == "length" and choice["text"].strip()
+    u = body["usage"]
+    assert list(u) == ["prompt_tokens", "prompt_tokens_details", "completion_tokens", "total_tokens",
+                       "batch_size", "queue_wait_time"]
+    assert u["completion_tokens"] == 6 and u["total_tokens"] == u["prompt_tokens"] + 6
+    assert u["prompt_tokens_details"] == {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+    assert len(u["batch_size"]) == 6 and all(b >= 1 for b in u["batch_size"])
+    assert len(u["queue_wait_time"]) == 6 and all(isinstance(w, int) and w >= 0 for w in u["queue_wait_time"])
+    assert b'": ' not in r.content  # compact JSON
+
+
+def test_stream_framing_byte_exact(client):
+    with client.stream("POST", "/v1/completions", json={
+            "model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    events = sse_events(raw)
+    assert events[-1] == b"data: [DONE]"
+    bodies = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    assert all(e.startswith(b"data: {") for e in events[:-1])
+    assert len(bodies) == 4
+    assert len({b["id"] for b in bodies}) == 1
+    for b in bodies[:-1]:
+        assert b["choices"][0]["finish_reason"] is None and "usage" not in b
+    last = bodies[-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == 4
+
+
+def test_stream_text_equals_non_stream(client):
+    req = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    whole = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json=dict(req, stream=True)) as r:
+        raw = r.read()
+    parts = [json.loads(e[6:]) for e in sse_events(raw)[:-1]]
+    assert "".join(p["choices"][0]["text"] for p in parts) == whole
+
+
+def test_greedy_is_deterministic(client):
+    req = {"model": MODEL_NAME, "prompt": "List three colours:", "max_tokens": 10, "temperature": 0}
+    texts = {client.post("/v1/completions", json=req).json()["choices"][0]["text"] for _ in range(3)}
+    assert len(texts) == 1
+
+
+def test_openai_client_stream(stack):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused")
+    stream = oc.completions.create(model=MODEL_NAME, prompt="Tell me a story", max_tokens=5,
+                                   temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True, "repetition_penalty": 1.1})
+    chunks = list(stream)
+    assert len(chunks) == 5
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks)
+
+
+def test_openai_client_non_stream(stack):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused")
+    out = oc.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, temperature=0,
+                                extra_body={"top_k": 5, "skip_special_tokens": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 3
+
+
+def test_bad_request_then_good(client):
+    bad = client.post("/v1/completions", content=b"{not json")
+    assert bad.status_code == 422
+    assert bad.json() == {"error": "Failed to parse request context to json", "error_type": "Input Validation Error"}
+    ok = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_models_and_health(client):
+    assert client.get("/v2/health/live").status_code == 200
+    assert client.get("/v2/health/ready").status_code == 200
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL_NAME
+    assert client.get("/nope").status_code == 404
+
+
+def test_unknown_route_is_empty_404(client):
+    r = client.get("/v1/chat/unknown")
+    assert r.status_code == 404 and r.content == b""
+
+
+def test_concurrent_requests_batch_together(stack):
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as ac:
+            reqs = [ac.post("/v1/completions", json={"model": MODEL_NAME, "prompt": f"Number {i}:",
+                                                      "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                    for i in range(6)]
+            return await asyncio.gather(*reqs)
+
+    results = asyncio.run(run())
+    assert all(r.status_code == 200 for r in results)
+    peak = max(max(r.json()["usage"]["batch_size"]) for r in results)
+    assert peak >= 2, "concurrent requests should share engine steps"
