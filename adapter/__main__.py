@@ -14,9 +14,9 @@ import logging
 import time
 
 import uvicorn
+from llm_engine.config import load_settings
 
 from adapter.app import create_app
-from llm_engine.config import load_settings
 
 log = logging.getLogger("adapter")
 

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from llm_engine.config import Settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -17,7 +18,6 @@ from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit
 from adapter.metrics import REGISTRY, MetricsMiddleware
 from adapter.service import ClientGone, Service
 from adapter.triton import TritonClient
-from llm_engine.config import Settings
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import httpx
-
-from adapter.tritonserver import REPO_ROOT, prepare_backend, triton_command, triton_env
 from llm_engine.config import CONFIG_ENV, default_config_path, load_settings
 from llm_engine.weights import resolve_model_dir
+
+from adapter.tritonserver import REPO_ROOT, prepare_backend, triton_command, triton_env
 
 log = logging.getLogger("launch")
 

@@ -10,14 +10,20 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from llm_engine.config import Settings
+from llm_engine.weights import model_limits, resolve_model_dir
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from adapter.errors import MindIEError, generation_error, incomplete_error, unavailable_error, validation_error
+from adapter.errors import (
+    MindIEError,
+    generation_error,
+    incomplete_error,
+    unavailable_error,
+    validation_error,
+)
 from adapter.protocol.common import GenerationPlan
 from adapter.triton import Chunk, TritonClient, TritonError
-from llm_engine.config import Settings
-from llm_engine.weights import model_limits, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

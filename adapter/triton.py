@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from llm_engine.errors import parse_error
 from tritonclient.grpc.aio import InferenceServerClient, InferInput
 from tritonclient.utils import InferenceServerException
-
-from llm_engine.errors import parse_error
 
 log = logging.getLogger(__name__)
 

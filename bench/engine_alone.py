@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.load import _log_result, closed_loop
+from bench.load import closed_loop, log_result
 from bench.stats import RunResult, StreamTrace, from_traces
 from bench.workload import Workload
 
@@ -80,6 +80,6 @@ async def _drive(engine, workload: Workload, dtype: str) -> list[RunResult]:
     for c in workload.concurrencies:
         traces, wall = await closed_loop(one, workload.prompts_for(c), c)
         res = from_traces("engine alone", c, dtype, traces, wall)
-        _log_result(res, traces)
+        log_result(res, traces)
         results.append(res)
     return results

@@ -90,12 +90,12 @@ async def drive_stack(base_url: str, model: str, workload: Workload, dtype: str)
         for c in workload.concurrencies:
             traces, wall = await closed_loop(one, workload.prompts_for(c), c)
             res = from_traces("stack", c, dtype, traces, wall)
-            _log_result(res, traces)
+            log_result(res, traces)
             results.append(res)
     return results
 
 
-def _log_result(res: RunResult, traces: list[StreamTrace]) -> None:
+def log_result(res: RunResult, traces: list[StreamTrace]) -> None:
     summary = res.summary()
     log.info("%s c=%d: %s tok/s, TTFT p50 %s ms, ITL p50 %s ms, %d errors", res.system, res.concurrency,
              summary["tok_per_s"], summary["ttft_p50_ms"], summary["itl_p50_ms"], res.errors)

@@ -27,9 +27,8 @@ WARM_PROMPT = "Hello, warm-up."
 def load_hf(dtype_name: str, attn: str | None = None):
     """The stack's default checkpoint (the GGUF converted to an HF folder) in ``dtype_name``."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from llm_engine.weights import resolve_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir("")
     kwargs = {"dtype": getattr(torch, dtype_name)}
@@ -151,7 +150,6 @@ def run_llama_cpp(workload: Workload) -> RunResult:
         return RunResult(system="llama-cpp-python", concurrency=1, dtype="Q4_1", note=missing)
     import numpy as np
     from llama_cpp import Llama, LogitsProcessorList
-
     from llm_engine.weights import default_gguf_path
 
     llm = Llama(model_path=str(default_gguf_path()), n_ctx=512, n_threads=os.cpu_count() or 1,
@@ -178,7 +176,6 @@ def run_llama_cpp(workload: Workload) -> RunResult:
     t0 = time.perf_counter()
     traces = [one(p, workload.max_tokens) for p in prompts]
     wall = time.perf_counter() - t0
-    del llm
     return from_traces("llama-cpp-python", 1, "Q4_1", traces, wall)
 
 

@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
 from llm_engine.config import load_settings
 from llm_engine.errors import EngineError, InvalidParameter
 from llm_engine.params import parse_sampling_parameters

@@ -107,23 +107,23 @@ class Settings(_Section):
 
     # Shortcuts for the values everything reads.
     @property
-    def server(self) -> "ServerSection":
+    def server(self) -> ServerSection:
         return self.ServerConfig
 
     @property
-    def model(self) -> "ModelSection":
+    def model(self) -> ModelSection:
         return self.BackendConfig.ModelDeployConfig.ModelConfig[0]
 
     @property
-    def deploy(self) -> "ModelDeploySection":
+    def deploy(self) -> ModelDeploySection:
         return self.BackendConfig.ModelDeployConfig
 
     @property
-    def schedule(self) -> "ScheduleSection":
+    def schedule(self) -> ScheduleSection:
         return self.BackendConfig.ScheduleConfig
 
     @property
-    def triton(self) -> "TritonSection":
+    def triton(self) -> TritonSection:
         return self.TritonConfig
 
 

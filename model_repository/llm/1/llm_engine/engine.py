@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from . import contract
-from .errors import EngineError, EnqueueRejected, Overloaded, RequestTimeout
 from .detokenizer import IncrementalDetokenizer
+from .errors import EngineError, EnqueueRejected, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
 from .runner import ModelRunner, StepInput
 from .sampler import RowSpec, sample

@@ -96,7 +96,10 @@ def _draw(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
     if bool((top_p < 1.0).any()):
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each candidate
         probs = probs.masked_fill(before >= top_p[:, None], 0.0)
-    picks = torch.empty(len(rows), dtype=torch.long)
-    for j, r in enumerate(rows):
-        picks[j] = torch.multinomial(probs[j], 1, generator=r.generator).item()
-    return ids.gather(1, picks.to(dev)[:, None])[:, 0]
+    # One uniform draw per row from the row's own generator, then inverse-CDF lookup:
+    # the result does not depend on how many candidates other rows needed.
+    u = torch.cat([torch.rand(1, generator=r.generator, device=dev) for r in rows])
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    picks = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
+    return ids.gather(1, picks[:, None])[:, 0]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -50,7 +51,7 @@ class StepOutput:
 
 @dataclass
 class Sequence:
-    request: "Request"
+    request: Request
     index: int
     token_ids: list[int]  # prompt + generated
     detok: IncrementalDetokenizer

@@ -1,0 +1,122 @@
+"""One benchmark run on one machine: limits, the stack, the engine alone and the peers.
+
+    python -m bench.run [--quick] [--out bench/results] [--config conf/config.json]
+
+1. measures the machine (fp32/bf16 matmul GFLOP/s at 2048³, memory read GB/s);
+2. starts a private stack (``adapter.launch`` on free ports), drives streaming
+   ``/v1/completions`` clients at each concurrency, and stops it;
+3. drives the engine in-process with the same workload (stack overhead);
+4. runs the peers (naive ``generate``, static batch, transformers continuous
+   batching fp32/bf16, llama-cpp-python when importable);
+5. prints the tables and writes ``results.csv``, ``checks.csv``, ``summary.json``
+   and ``results.png`` into ``--out``.
+
+``--quick`` is a smoke test: concurrency 1 and 4, 8 tokens, naive peer only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENGINE_DIR = REPO_ROOT / "model_repository" / "llm" / "1"
+
+log = logging.getLogger("bench")
+
+
+def _import_paths() -> None:
+    """Make ``adapter`` and ``llm_engine`` importable here and in the launched stack."""
+    for p in (str(ENGINE_DIR), str(REPO_ROOT)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for p in (str(REPO_ROOT), str(ENGINE_DIR)):
+        if p not in parts:
+            parts.append(p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (c=1,4; 8 tokens; naive peer)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results", help="output folder")
+    parser.add_argument("--config", type=Path, default=REPO_ROOT / "conf" / "config.json",
+                        help="settings file to copy for the bench's own stack (ports are replaced)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    for noisy in ("httpx", "httpcore", "ContinuousBatchingLogger"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _import_paths()
+
+    from bench.engine_alone import run_engine_alone
+    from bench.load import drive_stack
+    from bench.machine import measure
+    from bench.peers import run_peers
+    from bench.report import (
+        checks_table,
+        compare,
+        machine_table,
+        plot,
+        results_table,
+        write_checks_csv,
+        write_csv,
+    )
+    from bench.stack import Stack
+    from bench.workload import FULL, QUICK
+
+    workload = QUICK if args.quick else FULL
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now().astimezone()
+    t0 = time.monotonic()
+    log.info("workload: %s", workload)
+
+    machine = measure(quick=workload.quick)
+    results = []
+    with Stack(out / "stack.log", args.config) as stack:
+        stack_dtype = stack.engine_dtype()
+        log.info("the stack's engine runs %s", stack_dtype or "an unknown dtype (no 'engine ready' log line)")
+        results += asyncio.run(drive_stack(stack.base_url, stack.model_name, workload, stack_dtype))
+    results += run_engine_alone(args.config, workload)
+    gc.collect()
+    peer_results, fp32_bytes = run_peers(workload)
+    results += peer_results
+
+    checks = compare(results, machine, fp32_bytes)
+    write_csv(out / "results.csv", results)
+    write_checks_csv(out / "checks.csv", checks)
+    title = f"{started:%Y-%m-%d} {machine.cpu_model}, {machine.cores} cores" + (" (quick)" if args.quick else "")
+    plot(out / "results.png", results, title)
+    summary = {"date": started.isoformat(timespec="seconds"), "duration_s": round(time.monotonic() - t0, 1),
+               "machine": machine.as_dict(), "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
+               "results": [r.summary() for r in results],
+               "checks": [{"name": c.name, "value": c.value, "target": c.target, "status": c.status,
+                           "detail": c.note} for c in checks]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+    print(f"\n## Bench {started:%Y-%m-%d %H:%M %Z}: {title}\n")
+    print(machine_table(machine), end="\n\n")
+    print(results_table(results), end="\n\n")
+    print(checks_table(checks), end="\n\n")
+    print(f"written: {out / 'results.csv'}, {out / 'checks.csv'}, {out / 'summary.json'}, "
+          f"{out / 'results.png'} ({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

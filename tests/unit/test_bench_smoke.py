@@ -1,0 +1,131 @@
+"""The bench's pure parts on fake data: statistics, ratios, tables, CSV and plot (no stack, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import math
+
+import pytest
+
+from bench.load import closed_loop
+from bench.machine import MachineInfo
+from bench.report import checks_table, compare, plot, results_table, write_checks_csv, write_csv
+from bench.stack import write_settings
+from bench.stats import RunResult, StreamTrace, from_traces, percentile, ratio
+from bench.workload import QUICK, make_prompts
+
+MACHINE = MachineInfo(cpu_model="Fake CPU", cores=2, torch_threads=2, fp32_gflops=100.0, bf16_gflops=400.0,
+                      mem_read_gbs=27.0)
+FP32_BYTES = 540_000_000
+
+
+def fake(system: str, c: int, tps: float, ttft: float, dtype: str = "float32") -> RunResult:
+    return RunResult(system=system, concurrency=c, dtype=dtype, requests=c, output_tokens=int(tps * 10),
+                     wall_s=10.0, ttft_s=[ttft] * c, itl_s=[0.02, 0.03])
+
+
+def fake_results() -> list[RunResult]:
+    return [
+        fake("stack", 1, 40, 0.050), fake("stack", 8, 200, 0.080), fake("stack", 32, 500, 0.200),
+        fake("engine alone", 1, 41, 0.049), fake("engine alone", 8, 205, 0.075),
+        fake("engine alone", 32, 510, 0.190),
+        fake("naive generate", 1, 17, 0.06), fake("static batch", 32, 219, 0.3),
+        fake("transformers CB", 32, 98, 1.0), fake("transformers CB", 32, 164, 0.9, "bfloat16"),
+        RunResult(system="llama-cpp-python", concurrency=1, dtype="Q4_1", note="not importable"),
+    ]
+
+
+def test_percentile_interpolates_and_handles_edges() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_ratio_is_nan_when_undefined() -> None:
+    assert ratio(10, 4) == 2.5
+    assert math.isnan(ratio(1, 0))
+    assert math.isnan(ratio(math.nan, 1))
+
+
+def test_traces_fold_into_a_result() -> None:
+    ok = StreamTrace(sent=0.0, token_times=[0.1, 0.15, 0.25], tokens=3)
+    bad = StreamTrace(sent=0.0, error="HTTP 500")
+    res = from_traces("stack", 2, "float32", [ok, bad], wall_s=0.5)
+    assert (res.requests, res.errors, res.output_tokens) == (1, 1, 3)
+    assert res.ttft_s == [pytest.approx(0.1)]
+    assert res.itl_s == [pytest.approx(0.05), pytest.approx(0.1)]
+    assert res.tok_per_s == pytest.approx(6.0)
+    assert res.summary()["ttft_p50_ms"] == 100.0
+
+
+def test_compare_computes_ratios_and_verdicts() -> None:
+    checks = {c.name: c for c in compare(fake_results(), MACHINE, FP32_BYTES)}
+    naive = checks["stack@32 / naive generate"]
+    assert naive.value == pytest.approx(500 / 17) and naive.ok
+    assert checks["stack@32 / static batch"].value == pytest.approx(500 / 219)
+    cb = checks["stack@32 / transformers CB float32"]
+    assert cb.value == pytest.approx(500 / 98) and cb.ok
+    assert checks["stack@32 / transformers CB bfloat16"].ok is None  # other dtype: no verdict
+    assert checks["stack@32 / llama-cpp-python (1 stream)"].status == "n/a"
+    roof = checks["stack@32 % of float32 matmul roofline"]
+    assert roof.value == pytest.approx(100 * 500 * 0.27 / 100.0) and roof.ok
+    mem = checks["stack@1 % of memory-bound limit"]
+    assert mem.value == pytest.approx(100 * 40 / (27e9 / FP32_BYTES)) and mem.ok
+    assert checks["stack overhead, throughput @32"].value == pytest.approx(100 * (1 - 500 / 510))
+    assert checks["stack overhead, p50 TTFT @1"].value == pytest.approx(1.0)
+    ttft = checks["stack p50 TTFT @8 / @1"]
+    assert ttft.value == pytest.approx(1.6) and ttft.status == "PASS"
+
+
+def test_tables_csv_and_plot(tmp_path) -> None:
+    results = fake_results()
+    checks = compare(results, MACHINE, FP32_BYTES)
+    table = results_table(results)
+    assert "| stack | float32 | 32 | 500.0 |" in table
+    assert "skipped" in table and "not importable" in table
+    assert "PASS" in checks_table(checks)
+    write_csv(tmp_path / "results.csv", results)
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert len(rows) == len(results) and rows[0]["system"] == "stack" and rows[0]["tok_per_s"] == "40.0"
+    write_checks_csv(tmp_path / "checks.csv", checks)
+    assert len(list(csv.reader((tmp_path / "checks.csv").open()))) == len(checks) + 1
+    plot(tmp_path / "results.png", results, "fake")
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompts_are_distinct_and_stable() -> None:
+    ps = make_prompts(64)
+    assert len(set(ps)) == 64 and ps == make_prompts(64)
+    assert len(set(make_prompts(200))) == 200
+    assert len(QUICK.prompts_for(4)) == 4
+
+
+def test_closed_loop_runs_every_prompt_with_bounded_concurrency() -> None:
+    active, peak = 0, 0
+
+    async def one(prompt: str) -> StreamTrace:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.001)
+        active -= 1
+        return StreamTrace(sent=0.0, token_times=[0.001], tokens=len(prompt))
+
+    traces, wall = asyncio.run(closed_loop(one, ["a", "bb", "ccc", "dddd", "e"], 2))
+    assert sorted(t.tokens for t in traces) == [1, 1, 2, 3, 4] and peak == 2 and wall > 0
+
+
+def test_settings_copy_moves_every_port(tmp_path) -> None:
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"ServerConfig": {"port": 1025}, "TritonConfig": {"httpPort": 8000}}))
+    cfg = write_settings(base, tmp_path / "out.json", [1, 2, 3, 4])
+    assert cfg["ServerConfig"]["port"] == 1
+    assert (cfg["TritonConfig"]["httpPort"], cfg["TritonConfig"]["grpcPort"],
+            cfg["TritonConfig"]["metricsPort"]) == (2, 3, 4)
+    assert json.loads((tmp_path / "out.json").read_text()) == cfg

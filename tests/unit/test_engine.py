@@ -1,0 +1,187 @@
+"""The engine in-process with the real default model (no Triton): batching, seeds, stops, n, KV budget."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from llm_engine.config import Settings
+from llm_engine.errors import EngineError, RequestTimeout
+from llm_engine.params import parse_sampling_parameters
+from llm_engine.sequence import Request
+
+
+def build(**schedule):
+    from llm_engine.factory import build_engine
+
+    s = Settings()
+    s.model.dtype = "float32"
+    for k, v in schedule.items():
+        setattr(s.schedule, k, v)
+    eng = build_engine(s)
+    eng.start()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = build(kvCacheMemoryMiB=128)
+    yield eng
+    eng.stop()
+
+
+class Run:
+    """Submit a request and collect its outputs."""
+
+    def __init__(self, eng, prompt, stream=True, cancel=None, **params):
+        self.outputs, self.error, self.done = [], None, threading.Event()
+        ids = eng.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+        self.req = Request(f"t{id(self)}", ids, parse_sampling_parameters(params), self._emit, stream=stream,
+                           is_cancelled=cancel or (lambda: False))
+        eng.prepare(self.req)
+        eng.submit(self.req)
+
+    def _emit(self, out):
+        if isinstance(out, EngineError):
+            self.error = out
+            self.done.set()
+            return
+        self.outputs.append(out)
+        if out.final:
+            self.done.set()
+
+    def wait(self, timeout=120):
+        assert self.done.wait(timeout), "request did not finish"
+        return self
+
+    def text(self, index=0):
+        return "".join(o.text for o in self.outputs if o.index == index)
+
+    def finals(self):
+        return {o.index: o for o in self.outputs if o.finish_reason}
+
+
+def test_greedy_matches_transformers_generate(engine):
+    prompt = "The capital of France is"
+    ids = engine.tokenizer(prompt, return_tensors="pt").input_ids
+    ref = engine.runner.model.generate(ids, max_new_tokens=8, do_sample=False)
+    want = engine.tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+    assert Run(engine, prompt, max_tokens=8, temperature=0).wait().text() == want
+
+
+def test_exactly_one_final_and_counts(engine):
+    r = Run(engine, "Hello", max_tokens=5, temperature=0, ignore_eos=True).wait()
+    assert [o.final for o in r.outputs].count(True) == 1 and r.outputs[-1].final
+    last = r.outputs[-1]
+    assert last.finish_reason == "length" and last.completion_tokens == 5
+    assert len(last.batch_size) == 5 and len(last.queue_wait_us) == 5
+
+
+def test_seed_reproducible_under_concurrency(engine):
+    params = dict(max_tokens=12, temperature=1.0, seed=1234, top_k=50, ignore_eos=True)
+    alone = Run(engine, "A story about a dragon", **params).wait().text()
+    noise = [Run(engine, f"Noise {i} unseeded", max_tokens=12, temperature=1.0, ignore_eos=True) for i in range(3)]
+    batched = Run(engine, "A story about a dragon", **params)
+    for r in noise + [batched]:
+        r.wait()
+    assert max(max(o.batch_size) for o in batched.outputs) > 1
+    assert batched.text() == alone
+
+
+def test_unseeded_requests_report_a_seed(engine):
+    r = Run(engine, "Hi", max_tokens=2, temperature=1.0).wait()
+    assert r.outputs[-1].seed > 0
+
+
+def test_stop_string_spanning_tokens(engine):
+    full = Run(engine, "The capital of France is", max_tokens=16, temperature=0).wait().text()
+    # a stop string that starts inside one token and ends inside the next
+    cut = len(full) // 2
+    stop = full[cut - 2: cut + 3]
+    r = Run(engine, "The capital of France is", max_tokens=16, temperature=0, stop=[stop]).wait()
+    assert r.text() == full[: full.index(stop)] and r.finals()[0].finish_reason == "stop"
+    incl = Run(engine, "The capital of France is", max_tokens=16, temperature=0, stop=[stop],
+               include_stop_str_in_output=True).wait()
+    assert incl.text() == full[: full.index(stop) + len(stop)]
+    # a streamed prefix never shows a partial stop string
+    for o in r.outputs:
+        assert stop not in o.text
+
+
+def test_stop_token_ids(engine):
+    full = Run(engine, "Count: one, two,", max_tokens=10, temperature=0, ignore_eos=True).wait()
+    tokens = [t for o in full.outputs for t in o.token_ids]
+    r = Run(engine, "Count: one, two,", max_tokens=10, temperature=0, ignore_eos=True,
+            stop_token_ids=[tokens[3]]).wait()
+    assert r.outputs[-1].completion_tokens == tokens.index(tokens[3]) + 1
+    assert r.finals()[0].finish_reason == "stop"
+
+
+def test_n_and_best_of(engine):
+    r = Run(engine, "Write a word:", stream=False, max_tokens=6, temperature=1.0, n=2, best_of=3, seed=9,
+            ignore_eos=True).wait()
+    finals = r.finals()
+    assert sorted(finals) == [0, 1, 2]
+    assert all(o.completion_tokens == 6 for o in finals.values())
+    assert len({r.text(i) for i in finals}) > 1
+    assert all(o.cumulative_logprob < 0 for o in finals.values())
+
+
+def test_logprobs_per_token(engine):
+    r = Run(engine, "Hello", stream=False, max_tokens=4, temperature=0, logprobs=3, ignore_eos=True).wait()
+    entries = r.outputs[-1].logprobs
+    assert len(entries) == 4
+    for e in entries:
+        assert e["logprob"] <= 0 and len(e["top"]) == 3
+        assert e["top"][0][1] >= e["top"][-1][1]
+        assert e["logprob"] == pytest.approx(e["top"][0][1], abs=1e-4)  # greedy picks the top one
+
+
+def test_cancellation_frees_the_slot(engine):
+    flag = threading.Event()
+    free_before = engine.blocks.num_free
+    r = Run(engine, "A long story:", max_tokens=200, temperature=0, ignore_eos=True, cancel=flag.is_set)
+    while not r.outputs:
+        r.done.wait(0.01)
+    steps_at_cancel = engine.steps
+    flag.set()
+    r.wait()
+    assert r.outputs[-1].finish_reason == "cancelled" and r.outputs[-1].final
+    assert engine.steps - steps_at_cancel <= 3
+    assert r.outputs[-1].completion_tokens < 200
+    assert engine.blocks.num_free >= free_before - 1  # prefix-cached prompt blocks may stay parked
+
+
+def test_timeout_ends_with_an_error(engine):
+    r = Run(engine, "Tell me everything:", max_tokens=400, temperature=0, ignore_eos=True, timeout=0.3).wait()
+    assert isinstance(r.error, RequestTimeout)
+
+
+def test_prefix_cache_reports_cached_tokens_and_keeps_results(engine):
+    prompt = "You are a helpful assistant. Answer briefly and clearly. Question: what is two plus two?"
+    a = Run(engine, prompt, max_tokens=6, temperature=0).wait()
+    b = Run(engine, prompt, max_tokens=6, temperature=0).wait()
+    assert a.outputs[-1].cached_tokens == 0 or a.outputs[-1].cached_tokens < b.outputs[-1].cached_tokens
+    assert b.outputs[-1].cached_tokens > 0
+    assert a.text() == b.text()
+
+
+def test_prompt_too_long_is_rejected_before_queueing(engine):
+    req = Request("long", [1] * 3000, parse_sampling_parameters("{}"), emit=lambda o: None)
+    with pytest.raises(EngineError) as exc:
+        engine.prepare(req)
+    assert exc.value.status == 424 and "2048" in str(exc.value)
+
+
+def test_kv_budget_exhaustion_queues_instead_of_failing():
+    eng = build(kvCacheBlocks=12, cacheBlockSize=16, enablePrefixCache=False)
+    try:
+        runs = [Run(eng, f"Request number {i} says", max_tokens=40, temperature=0, ignore_eos=True)
+                for i in range(6)]
+        for r in runs:
+            r.wait(300)
+        assert all(r.error is None and r.outputs[-1].completion_tokens == 40 for r in runs)
+        assert eng.blocks.num_free == 12
+    finally:
+        eng.stop()

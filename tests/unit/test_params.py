@@ -1,0 +1,37 @@
+"""The sampling_parameters contract: errors name the field."""
+
+import pytest
+
+from llm_engine.errors import InvalidParameter, parse_error
+from llm_engine.params import parse_sampling_parameters
+
+
+@pytest.mark.parametrize("raw, field", [
+    ('{"temperature": -1}', "temperature"),
+    ('{"top_p": 0}', "top_p"),
+    ('{"max_tokens": 0}', "max_tokens"),
+    ('{"logprobs": 6}', "logprobs"),
+    ('{"n": 2, "best_of": 1, "temperature": 1}', "best_of"),
+    ('{"stop": [""]}', "stop"),
+    ('{"stop_token_ids": ["a"]}', "stop_token_ids"),
+    ('{"ignore_eos": "yes"}', "ignore_eos"),
+    ('{"bogus": 1}', "bogus"),
+    ('{"n": 2, "temperature": 0}', "temperature"),
+    ('not json', "JSON"),
+])
+def test_errors_name_the_field(raw, field):
+    with pytest.raises(InvalidParameter) as exc:
+        parse_sampling_parameters(raw)
+    assert field in str(exc.value)
+    assert parse_error(exc.value.wire()) == (400, str(exc.value))
+
+
+def test_defaults_and_nulls():
+    p = parse_sampling_parameters('{"seed": null, "stop": "x", "n": 2, "temperature": 0.5}')
+    assert p.seed is None and p.stop == ["x"] and p.num_sequences == 2
+    assert parse_sampling_parameters(None).max_tokens is None
+
+
+def test_max_n_cap():
+    with pytest.raises(InvalidParameter, match="maxN"):
+        parse_sampling_parameters('{"n": 5, "temperature": 1}', max_n=4)

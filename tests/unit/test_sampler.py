@@ -1,0 +1,63 @@
+"""Batched sampling: greedy, seeds, top-k/top-p, penalties, logprobs."""
+
+import torch
+
+from llm_engine.sampler import RowSpec, sample
+
+
+def row(gen=None, **kw):
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0,
+                frequency_penalty=0.0, generator=gen, logprobs=None, prompt_ids=[], output_ids=[])
+    base.update(kw)
+    return RowSpec(**base)
+
+
+def g(seed):
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+def test_greedy_rows_take_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
+    assert sample(logits, [row(), row()]).tokens == [1, 0]
+
+
+def test_seeded_row_is_independent_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    alone = sample(logits[:1].clone(), [row(g(7))]).tokens[0]
+    batched = sample(logits.clone(), [row(g(7)), row(g(1)), row(), row(g(3))]).tokens[0]
+    assert alone == batched
+
+
+def test_top_k_one_is_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 100)
+    for seed in range(5):
+        assert sample(logits.clone(), [row(g(seed), top_k=1)]).tokens[0] == int(logits.argmax())
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05]]))
+    picks = {sample(logits.clone(), [row(g(s), top_p=0.5)]).tokens[0] for s in range(20)}
+    assert picks == {0}
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    assert sample(logits.clone(), [row(repetition_penalty=2.0, output_ids=[0])]).tokens == [1]
+
+
+def test_presence_and_frequency_penalties():
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    assert sample(logits.clone(), [row(presence_penalty=1.0, output_ids=[0])]).tokens == [1]
+    assert sample(logits.clone(), [row(frequency_penalty=0.3, output_ids=[0, 0])]).tokens == [1]
+
+
+def test_logprobs_and_top_alternatives():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    res = sample(logits.clone(), [row(logprobs=2)])
+    assert res.tokens == [0]
+    assert abs(res.logprobs[0] - torch.log(torch.tensor(0.5)).item()) < 1e-5
+    assert [t for t, _ in res.top[0]] == [0, 1]
