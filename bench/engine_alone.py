@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.load import closed_loop, log_result
+from bench.load import closed_loop, log_result, warm_up
 from bench.stats import RunResult, StreamTrace, from_traces
 from bench.workload import Workload
 
@@ -69,9 +69,10 @@ def run_engine_alone(config_path: Path | None, workload: Workload) -> list[RunRe
 
 
 async def _drive(engine, workload: Workload, dtype: str) -> list[RunResult]:
-    warm = await engine_request(engine, "Hello, warm-up.", workload.max_tokens)
-    if warm.error:
-        raise RuntimeError(f"engine warm-up failed: {warm.error}")
+    async def send(prompt: str, max_tokens: int) -> StreamTrace:
+        return await engine_request(engine, prompt, max_tokens)
+
+    await warm_up(send, max(workload.concurrencies))
 
     async def one(prompt: str) -> StreamTrace:
         return await engine_request(engine, prompt, workload.max_tokens)

@@ -15,11 +15,27 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from bench.stats import RunResult, StreamTrace, from_traces
-from bench.workload import Workload
+from bench.workload import Workload, make_prompts
 
 log = logging.getLogger(__name__)
 
 OneRequest = Callable[[str], Awaitable[StreamTrace]]
+SendRequest = Callable[[str, int], Awaitable[StreamTrace]]
+
+
+async def warm_up(send: SendRequest, concurrency: int) -> None:
+    """One request, then a burst of ``concurrency`` requests that end one after another.
+
+    Request ``i`` of the burst asks for ``i + 1`` tokens, so the decode batch passes
+    through every size from ``concurrency`` down to 1 once before anything is timed
+    (kernels are prepared per shape on first use). Raises if any warm-up request fails.
+    """
+    first = await send("Hello, warm-up.", 4)
+    burst = await asyncio.gather(*(send(f"Warm-up {i}: {p}", i + 1)
+                                   for i, p in enumerate(make_prompts(concurrency))))
+    failed = [t.error for t in [first, *burst] if t.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} warm-up request(s) failed, e.g. {failed[0]}")
 
 
 async def closed_loop(one: OneRequest, prompts: list[str], concurrency: int) -> tuple[list[StreamTrace], float]:
@@ -75,14 +91,15 @@ async def sse_request(client: httpx.AsyncClient, url: str, body: dict) -> Stream
 
 
 async def drive_stack(base_url: str, model: str, workload: Workload, dtype: str) -> list[RunResult]:
-    """The stack at each concurrency of ``workload``, after one warm-up request."""
+    """The stack at each concurrency of ``workload``, after a warm-up (see :func:`warm_up`)."""
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     results = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        warm = await sse_request(client, url, completion_body(model, "Hello, warm-up.", workload.max_tokens))
-        if warm.error:
-            raise RuntimeError(f"the stack's warm-up request failed: {warm.error}")
+        async def send(prompt: str, max_tokens: int) -> StreamTrace:
+            return await sse_request(client, url, completion_body(model, prompt, max_tokens))
+
+        await warm_up(send, max(workload.concurrencies))
 
         async def one(prompt: str) -> StreamTrace:
             return await sse_request(client, url, completion_body(model, prompt, workload.max_tokens))

@@ -1,7 +1,6 @@
 """Incremental detokenization against the real tokenizer: CJK, emoji, spaces."""
 
 import pytest
-
 from llm_engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello world, how are you?", "你好，世界！今天天气很好。", "emoji 🎉🚀 test 👍🏽 done",

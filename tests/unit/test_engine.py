@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from llm_engine.config import Settings
 from llm_engine.errors import EngineError, RequestTimeout
 from llm_engine.params import parse_sampling_parameters

@@ -1,7 +1,6 @@
 """Block allocator and prefix cache bookkeeping (no tensors)."""
 
 import pytest
-
 from llm_engine.kv_cache import BlockManager, BlockTable, OutOfBlocks
 
 

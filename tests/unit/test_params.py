@@ -1,7 +1,6 @@
 """The sampling_parameters contract: errors name the field."""
 
 import pytest
-
 from llm_engine.errors import InvalidParameter, parse_error
 from llm_engine.params import parse_sampling_parameters
 

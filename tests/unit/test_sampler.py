@@ -1,7 +1,6 @@
 """Batched sampling: greedy, seeds, top-k/top-p, penalties, logprobs."""
 
 import torch
-
 from llm_engine.sampler import RowSpec, sample
 
 

@@ -1,0 +1,88 @@
+"""Calling the Triton model directly, as other services do: the README's example, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_example(marker: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    (code,) = [b for b in blocks if marker in b]
+    return code
+
+
+def test_readme_grpc_streaming_example_runs(stack):
+    code = readme_example("TRITON_GRPC_URL")
+    code = code.replace('TRITON_GRPC_URL = "127.0.0.1:8001"', f'TRITON_GRPC_URL = "{stack.grpc_url}"')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    assert "Paris" in out.getvalue()
+
+
+def test_bad_sampling_parameters_get_a_triton_error_naming_the_field(stack):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(stack.grpc_url)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    t = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    t.set_data_from_numpy(np.array([["hi"]], dtype=object))
+    p = grpcclient.InferInput("sampling_parameters", [1, 1], "BYTES")
+    p.set_data_from_numpy(np.array([[json.dumps({"top_p": 0})]], dtype=object))
+    client.async_stream_infer("llm", [t, p])
+    import time
+
+    deadline = time.time() + 30
+    while not results and time.time() < deadline:
+        time.sleep(0.05)
+    client.stop_stream()
+    result, error = results[0]
+    assert result is None and "top_p" in str(error) and "[400]" in str(error)
+
+
+def test_cancelled_stream_is_dropped_by_the_engine(stack):
+    from tritonclient.grpc.aio import InferenceServerClient, InferInput
+
+    async def run():
+        client = InferenceServerClient(stack.grpc_url)
+
+        def inp(name, arr, dt):
+            i = InferInput(name, list(arr.shape), dt)
+            i.set_data_from_numpy(arr)
+            return i
+
+        async def requests():
+            yield {"model_name": "llm", "request_id": "cancel-me", "inputs": [
+                inp("text_input", np.array([["Write a very long essay"]], dtype=object), "BYTES"),
+                inp("sampling_parameters", np.array([[json.dumps({"max_tokens": 500, "ignore_eos": True})]],
+                                                    dtype=object), "BYTES")]}
+
+        before = stack.engine_metric("llm_request_cancelled_total")
+        call = client.stream_infer(requests())
+        got = 0
+        async for _result, error in call:
+            assert error is None
+            got += 1
+            if got == 2:
+                call.cancel()
+                break
+        for _ in range(100):
+            if stack.engine_metric("llm_request_cancelled_total") > before:
+                break
+            await asyncio.sleep(0.05)
+        await client.close()
+        return stack.engine_metric("llm_request_cancelled_total") - before
+
+    assert asyncio.run(run()) >= 1
