@@ -184,3 +184,22 @@ def test_kv_budget_exhaustion_queues_instead_of_failing():
         assert eng.blocks.num_free == 12
     finally:
         eng.stop()
+
+
+def test_beam_search_returns_n_ranked_beams(engine):
+    r = Run(engine, "The best way to learn is", stream=False, max_tokens=6, use_beam_search=True, n=3,
+            temperature=0, logprobs=0).wait()
+    finals = sorted(r.finals().values(), key=lambda o: o.index)
+    assert [o.index for o in finals] == [0, 1, 2] and finals[-1].final
+    texts = [o.text for o in finals]
+    assert len(set(texts)) == 3
+    scores = [o.cumulative_logprob / max(1, o.completion_tokens) for o in finals]
+    assert scores == sorted(scores, reverse=True)
+    for o in finals:
+        assert len(o.logprobs) == o.completion_tokens
+        assert sum(e["logprob"] for e in o.logprobs) == pytest.approx(o.cumulative_logprob, abs=1e-3)
+    # the best beam scores at least as well as greedy decoding
+    greedy = Run(engine, "The best way to learn is", stream=False, max_tokens=6, temperature=0,
+                 logprobs=0).wait().outputs[-1]
+    assert finals[0].cumulative_logprob >= greedy.cumulative_logprob - 1e-3 or finals[0].completion_tokens < 6
+    assert engine.blocks.num_free > 0

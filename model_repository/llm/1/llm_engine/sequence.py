@@ -49,7 +49,7 @@ class StepOutput:
     final: bool  # the request's last response
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: sequences are compared with `is`/`in`
 class Sequence:
     request: Request
     index: int
@@ -68,6 +68,7 @@ class Sequence:
     pending_text: str = ""  # not yet sent (non-stream mode, or between sends)
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[dict] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)  # beam search keeps its own history
 
     @property
     def prompt_len(self) -> int:
@@ -90,7 +91,7 @@ class Sequence:
         return self.status is Status.FINISHED
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A request as the engine sees it; created by the model from Triton tensors."""
 
@@ -110,6 +111,7 @@ class Request:
     last_progress: float = 0.0  # when the last step output was produced
     first_scheduled: float = 0.0
     done: bool = False
+    hypotheses: list = field(default_factory=list)  # finished beams (beam search only)
 
     @property
     def prompt_len(self) -> int:

@@ -1,0 +1,66 @@
+"""Beam search: choosing the next beams from the live beams' log-probabilities.
+
+Pure selection logic; the engine owns the sequences and their KV blocks. Scores are
+cumulative log-probabilities; finished hypotheses are ranked by length-normalised
+score (length penalty 1.0, as Hugging Face does by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Hypothesis:
+    output_ids: list[int]
+    logprobs: list[float]
+    cumulative_logprob: float
+    finish_reason: str
+    top: list = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        return self.cumulative_logprob / max(1, len(self.output_ids))
+
+
+@dataclass
+class Candidate:
+    parent: int  # index into the live beams
+    token: int
+    logprob: float
+    score: float  # parent's cumulative logprob + logprob
+
+
+def select(logprobs: torch.Tensor, cumulative: list[float], width: int, stop_ids: set[int]
+           ) -> tuple[list[Candidate], list[Candidate]]:
+    """Return ``(next live beams, candidates that end on a stop token)``, best first.
+
+    ``logprobs`` is ``[live beams, vocab]``; at most ``width`` live beams are kept and
+    only stop candidates that rank above the last kept beam are returned.
+    """
+    k = min(2 * width, logprobs.shape[1])
+    scores = logprobs + torch.tensor(cumulative, dtype=logprobs.dtype, device=logprobs.device)[:, None]
+    flat_scores, flat_idx = torch.topk(scores.reshape(-1), min(k * logprobs.shape[0], scores.numel()))
+    vocab = logprobs.shape[1]
+    live: list[Candidate] = []
+    ended: list[Candidate] = []
+    for score, idx in zip(flat_scores.tolist(), flat_idx.tolist()):
+        parent, token = divmod(idx, vocab)
+        cand = Candidate(parent, token, float(logprobs[parent, token]), score)
+        if token in stop_ids:
+            ended.append(cand)
+        else:
+            live.append(cand)
+            if len(live) == width:
+                break
+    return live, ended
+
+
+def is_done(finished: list[Hypothesis], live_best_cumulative: float, live_length: int, width: int) -> bool:
+    """Stop once ``width`` hypotheses are finished and no live beam can still beat the worst of them."""
+    if len(finished) < width:
+        return False
+    worst = sorted(h.score for h in finished)[-width]
+    return live_best_cumulative / max(1, live_length) <= worst
