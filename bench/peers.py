@@ -10,11 +10,12 @@ Every peer ignores EOS so that it produces exactly ``max_tokens`` tokens per req
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from bench.stats import RunResult, StreamTrace, from_traces
 from bench.workload import Workload, make_prompts
@@ -143,6 +144,30 @@ def llama_cpp_missing() -> str:
     return ""
 
 
+@contextlib.contextmanager
+def _no_extra_buffers() -> Iterator[None]:
+    """Load with ``use_extra_bufts=False`` (llama.cpp's ``--no-repack``), which ``Llama()`` does not expose.
+
+    On CPUs with AMX, llama.cpp 0.3.36 repacks the weights into its AMX buffer and then
+    segfaults in the first batched decode (ggml_backend_amx_mul_mat, llama.cpp #20824);
+    without extra buffer types it runs its ordinary AVX-512 quantised kernels.
+    """
+    import llama_cpp.llama_cpp as lib
+
+    original = lib.llama_model_default_params
+
+    def patched():
+        params = original()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = original
+
+
 def run_llama_cpp(workload: Workload) -> RunResult:
     missing = llama_cpp_missing()
     if missing:
@@ -152,8 +177,9 @@ def run_llama_cpp(workload: Workload) -> RunResult:
     from llama_cpp import Llama, LogitsProcessorList
     from llm_engine.weights import default_gguf_path
 
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=512, n_threads=os.cpu_count() or 1,
-                n_threads_batch=os.cpu_count() or 1, verbose=False, seed=0)
+    with _no_extra_buffers():
+        llm = Llama(model_path=str(default_gguf_path()), n_ctx=512, n_threads=os.cpu_count() or 1,
+                    n_threads_batch=os.cpu_count() or 1, verbose=False, seed=0)
     eos = llm.token_eos()
 
     def no_eos(_ids, scores):
@@ -166,7 +192,8 @@ def run_llama_cpp(workload: Workload) -> RunResult:
         trace = StreamTrace(sent=time.perf_counter())
         for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, top_k=1,
                                            stream=True, logits_processor=processors):
-            if chunk.get("choices"):
+            choices = chunk.get("choices") or [{}]
+            if choices[0].get("finish_reason") is None:  # the closing chunk carries no token
                 trace.token_times.append(time.perf_counter())
                 trace.tokens += 1
         return trace

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now().astimezone()
     t0 = time.monotonic()
-    log.info("workload: %s", workload)
+    load_start = os.getloadavg()
+    log.info("workload: %s; load average %.2f", workload, load_start[0])
 
     machine = measure(quick=workload.quick)
     results = []
@@ -92,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         stack_dtype = stack.engine_dtype()
         log.info("the stack's engine runs %s", stack_dtype or "an unknown dtype (no 'engine ready' log line)")
         results += asyncio.run(drive_stack(stack.base_url, stack.model_name, workload, stack_dtype))
-    results += run_engine_alone(args.config, workload)
+    engine_results = run_engine_alone(args.config, workload)
+    for r in engine_results:
+        if stack_dtype and r.dtype != stack_dtype:  # dtype "auto" is decided per process by a timing
+            r.note = f"dtype differs from the stack's ({stack_dtype})"
+            log.warning("engine alone chose %s but the stack chose %s", r.dtype, stack_dtype)
+    results += engine_results
     gc.collect()
     peer_results, fp32_bytes = run_peers(workload)
     results += peer_results
@@ -102,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     write_checks_csv(out / "checks.csv", checks)
     title = f"{started:%Y-%m-%d} {machine.cpu_model}, {machine.cores} cores" + (" (quick)" if args.quick else "")
     plot(out / "results.png", results, title)
+    load_end = os.getloadavg()
     summary = {"date": started.isoformat(timespec="seconds"), "duration_s": round(time.monotonic() - t0, 1),
+               "loadavg_1m_start": load_start[0], "loadavg_1m_end": load_end[0],
                "machine": machine.as_dict(), "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
                "results": [r.summary() for r in results],
                "checks": [{"name": c.name, "value": c.value, "target": c.target, "status": c.status,
@@ -111,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n## Bench {started:%Y-%m-%d %H:%M %Z}: {title}\n")
     print(machine_table(machine), end="\n\n")
+    print(f"1-minute load average: {load_start[0]:.2f} at start, {load_end[0]:.2f} at end "
+          f"(other work on the machine skews every number)\n")
     print(results_table(results), end="\n\n")
     print(checks_table(checks), end="\n\n")
     print(f"written: {out / 'results.csv'}, {out / 'checks.csv'}, {out / 'summary.json'}, "

@@ -52,6 +52,24 @@ def write_settings(base: Path, target: Path, ports: list[int]) -> dict:
     return cfg
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; empty where /proc is missing)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 class Stack:
     """A supervised tritonserver + adapter owned by the bench."""
 
@@ -105,9 +123,17 @@ class Stack:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("adapter.launch did not stop in %.0fs; killing it", timeout)
+                # tritonserver, its stub and the adapter run in their own sessions: kill them by pid too,
+                # or they outlive the launcher holding ports and memory
+                strays = descendants(self.proc.pid)
+                log.warning("adapter.launch did not stop in %.0fs; killing it and %s", timeout, strays)
                 self.proc.kill()
                 self.proc.wait()
+                for pid in strays:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         if self.proc is not None:
             self._log.close()
         self.tmpdir.cleanup()

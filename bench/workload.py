@@ -35,13 +35,15 @@ class Workload:
     max_tokens: int = 64
     concurrencies: tuple[int, ...] = (1, 8, 32)
     rounds: int = 2  # closed loop: each of the c clients sends this many requests in turn
+    min_requests: int = 8  # at low concurrency, more rounds so that percentiles have samples
     peer_batch: int = 32  # prompts in the static-batch and continuous-batching peers
     naive_requests: int = 4  # sequential requests for the one-at-a-time peers
     quick: bool = False
 
     def prompts_for(self, concurrency: int) -> list[str]:
-        return make_prompts(concurrency * self.rounds)
+        return make_prompts(max(concurrency * self.rounds, self.min_requests))
 
 
 FULL = Workload()
-QUICK = Workload(max_tokens=8, concurrencies=(1, 4), rounds=1, peer_batch=4, naive_requests=2, quick=True)
+QUICK = Workload(max_tokens=8, concurrencies=(1, 4), rounds=1, min_requests=2, peer_batch=4, naive_requests=2,
+                 quick=True)

@@ -6,13 +6,16 @@ import asyncio
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
 from bench.load import closed_loop
 from bench.machine import MachineInfo
 from bench.report import checks_table, compare, plot, results_table, write_checks_csv, write_csv
-from bench.stack import write_settings
+from bench.stack import descendants, write_settings
 from bench.stats import RunResult, StreamTrace, from_traces, percentile, ratio
 from bench.workload import QUICK, make_prompts
 
@@ -129,3 +132,12 @@ def test_settings_copy_moves_every_port(tmp_path) -> None:
     assert (cfg["TritonConfig"]["httpPort"], cfg["TritonConfig"]["grpcPort"],
             cfg["TritonConfig"]["metricsPort"]) == (2, 3, 4)
     assert json.loads((tmp_path / "out.json").read_text()) == cfg
+
+
+def test_descendants_finds_a_child_process() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in descendants(os.getpid())
+    finally:
+        child.kill()
+        child.wait()

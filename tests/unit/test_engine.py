@@ -61,10 +61,13 @@ class Run:
         return {o.index: o for o in self.outputs if o.finish_reason}
 
 
-def test_greedy_matches_transformers_generate(engine):
+def test_greedy_matches_transformers_generate(engine, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     prompt = "The capital of France is"
     ids = engine.tokenizer(prompt, return_tensors="pt").input_ids
-    ref = engine.runner.model.generate(ids, max_new_tokens=8, do_sample=False)
+    ref = hf.generate(ids, max_new_tokens=8, do_sample=False)
     want = engine.tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
     assert Run(engine, prompt, max_tokens=8, temperature=0).wait().text() == want
 

@@ -66,6 +66,30 @@ class ModelRunner:
             cos, sin = self.inner.rotary_emb(probe, pos[None])
         self.cos, self.sin = cos[0], sin[0]  # [P, head_dim]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self._fuse_projections()
+
+    def _fuse_projections(self) -> None:
+        """One matmul for q/k/v and one for gate/up per layer instead of five small ones.
+
+        At small batch each matmul call costs more in overhead than in arithmetic, so
+        fusing them is most of the single-stream speed. The original modules are dropped
+        so the weights are held once.
+        """
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.gate_up: list[torch.Tensor] = []
+        self.act = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
+            b = None
+            if a.q_proj.bias is not None:
+                b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).contiguous()
+            self.qkv.append((w, b))
+            self.gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous())
+            self.act.append(m.act_fn)
+            del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -92,15 +116,19 @@ class ModelRunner:
             x = self._attention(i, layer.self_attn, x, cos, sin, step)
             h = residual + x
             residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+            x = F.linear(layer.post_attention_layernorm(h), self.gate_up[i])
+            gate, up = x.split(x.shape[-1] // 2, dim=-1)
+            h = residual + layer.mlp.down_proj(self.act[i](gate) * up)
         h = self.inner.norm(h[step.logit_rows])
         return self.model.lm_head(h).float()
 
     def _attention(self, i: int, attn, x, cos, sin, step: StepInput) -> torch.Tensor:
         t = x.shape[0]
-        q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        w, b = self.qkv[i]
+        q, k, v = F.linear(x, w, b).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -110,9 +138,11 @@ class ModelRunner:
         cache_v.index_copy_(0, step.slots, v)
         out = torch.empty_like(q)
         if step.decode_rows.numel():
+            bd, length = step.decode_ctx.shape
+            flat = step.decode_ctx.reshape(-1)
             qd = q[step.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
-            kd = cache_k[step.decode_ctx].transpose(1, 2)  # [Bd, KVH, L, D]
-            vd = cache_v[step.decode_ctx].transpose(1, 2)
+            kd = cache_k.index_select(0, flat).view(bd, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vd = cache_v.index_select(0, flat).view(bd, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=step.decode_mask, scale=self.scaling, enable_gqa=True
             )
@@ -125,8 +155,8 @@ class ModelRunner:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling,
                                                     enable_gqa=True)
             else:
-                kp = cache_k[ctx_slots].transpose(0, 1).unsqueeze(0)
-                vp = cache_v[ctx_slots].transpose(0, 1).unsqueeze(0)
+                kp = cache_k.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
+                vp = cache_v.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
                 offset = ctx_len - n
                 rows = torch.arange(n, device=x.device)[:, None] + offset
                 cols = torch.arange(ctx_len, device=x.device)[None, :]
