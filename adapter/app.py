@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapter import completions, infer
 from adapter.errors import MindIEError, error_body
-from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit
+from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
 from adapter.metrics import REGISTRY, MetricsMiddleware
 from adapter.service import ClientGone, Service
 from adapter.triton import TritonClient
@@ -108,5 +108,6 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     app.add_middleware(Admission, state=admission, limit=srv.maxLinkNum)
     app.add_middleware(BodyLimit, max_bytes=srv.maxRequestLength * 2**20, mib=srv.maxRequestLength)
     app.add_middleware(ApiKey, key=srv.apiKey)
+    app.add_middleware(HeaderLimit)
     app.add_middleware(MetricsMiddleware)
     return app

@@ -1,5 +1,6 @@
 """ASGI middleware that protects the inference routes before any handler runs.
 
+* Headers: more than 100 headers or 16 KiB of them gets 431.
 * Body size: more than ``maxRequestLength`` MiB gets 413, from ``Content-Length``
   at once, and for chunked bodies as soon as the running count passes the limit,
   so a huge body is never buffered.
@@ -24,6 +25,25 @@ async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, b
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode())] + (headers or [])})
     await send({"type": "http.response.body", "body": payload})
+
+
+class HeaderLimit:
+    """431 for too many or too large headers (h11 only bounds a head that arrives in pieces)."""
+
+    def __init__(self, app, max_bytes: int = 16 * 1024, max_count: int = 100):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_count = max_count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = scope.get("headers") or []
+            size = sum(len(k) + len(v) + 4 for k, v in headers)
+            if len(headers) > self.max_count or size > self.max_bytes:
+                return await _send_json(send, 431, {"error": "Request header fields too large",
+                                                    "error_type": "Input Validation Error"},
+                                        [(b"connection", b"close")])
+        return await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -13,9 +13,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +33,34 @@ from adapter.tritonserver import REPO_ROOT, prepare_backend, triton_command, tri
 log = logging.getLogger("launch")
 
 
+def child_pids(parent: int) -> list[int]:
+    """Direct children of ``parent`` (Triton's Python stubs), read from /proc."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            kids.append(int(entry.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
 class Supervisor:
     def __init__(self, config_path: Path, model_repository: Path, health_interval: float = 2.0):
         self.config_path = config_path
@@ -43,6 +73,7 @@ class Supervisor:
         self.adapter: subprocess.Popen | None = None
         self.stopping = threading.Event()
         self.restarts = 0
+        self.stubs: list[int] = []
 
     # -- processes ------------------------------------------------------------------
     def _triton_ready(self) -> bool:
@@ -53,7 +84,20 @@ class Supervisor:
         except httpx.HTTPError:
             return False
 
+    def _check_ports(self) -> None:
+        """Fail fast if another server holds a port: its readiness answer would fool us."""
+        t = self.settings.triton
+        for addr, port in ((t.httpAddress, t.httpPort), (t.grpcAddress, t.grpcPort),
+                           (t.httpAddress, t.metricsPort)):
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((addr, port))
+                except OSError as exc:
+                    raise RuntimeError(f"Triton port {addr}:{port} is already in use ({exc})") from None
+
     def start_triton(self, timeout: float = 600) -> None:
+        self._check_ports()
         cmd = triton_command(self.paths, self.settings, self.model_repository)
         log.info("starting tritonserver (model %s)", self.settings.triton.modelName)
         self.triton = subprocess.Popen(cmd, env=self.env, start_new_session=True)
@@ -62,7 +106,8 @@ class Supervisor:
             if self.triton.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.triton.returncode} while loading")
             if self._triton_ready():
-                log.info("Triton model ready")
+                self.stubs = child_pids(self.triton.pid)
+                log.info("Triton model ready (python stubs: %s)", self.stubs)
                 return
             time.sleep(0.5)
         if not self.stopping.is_set():
@@ -112,6 +157,12 @@ class Supervisor:
             if self.adapter.poll() is not None:
                 log.error("adapter exited with %s; restarting it", self.adapter.returncode)
                 self.start_adapter()
+            dead = [pid for pid in self.stubs if not alive(pid)]
+            if dead:
+                log.error("Triton python stub %s died; restarting Triton", dead)
+                self._restart_triton(force=True)
+                unready_since = None
+                continue
             if self._triton_ready():
                 unready_since = None
             elif unready_since is None:
@@ -123,9 +174,13 @@ class Supervisor:
                 unready_since = None
         return 0
 
-    def _restart_triton(self) -> None:
+    def _restart_triton(self, force: bool = False) -> None:
+        """Restart Triton; ``force`` kills it at once (its model is dead, nothing to drain)."""
         self.restarts += 1
-        self._stop(self.triton, self.settings.triton.exitTimeoutSecs + 5, "tritonserver")
+        if force and self.triton is not None and self.triton.poll() is None:
+            self.triton.kill()
+            self.triton.wait()
+        self._stop_triton()
         try:
             self.start_triton()
         except RuntimeError:
@@ -134,7 +189,18 @@ class Supervisor:
     def shutdown(self) -> None:
         self.stopping.set()
         self._stop(self.adapter, self.settings.server.drainTimeout + 10, "adapter")
-        self._stop(self.triton, self.settings.triton.exitTimeoutSecs + 10, "tritonserver")
+        self._stop_triton()
+
+    def _stop_triton(self) -> None:
+        """Stop tritonserver and make sure no orphaned Python stub outlives it."""
+        stubs = child_pids(self.triton.pid) if self.triton and self.triton.poll() is None else []
+        self._stop(self.triton, self.settings.triton.exitTimeoutSecs + 5, "tritonserver")
+        for pid in set(stubs + self.stubs):
+            if alive(pid):
+                log.warning("killing orphaned python stub %d", pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.stubs = []
 
 
 def main(argv: list[str] | None = None) -> int:

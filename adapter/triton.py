@@ -22,6 +22,7 @@ from tritonclient.grpc.aio import InferenceServerClient, InferInput
 from tritonclient.utils import InferenceServerException
 
 log = logging.getLogger(__name__)
+STUB_RECOVERY_SECONDS = 15.0  # report not-ready this long after an unhealthy-stub error
 
 
 @dataclass
@@ -63,6 +64,14 @@ def _input(name: str, array: np.ndarray, dtype: str) -> InferInput:
     return tensor
 
 
+def _short(exc: Exception) -> str:
+    code = getattr(exc, "code", None)
+    if callable(code):
+        details = exc.details() if callable(getattr(exc, "details", None)) else ""
+        return f"{code().name}: {(details or '').splitlines()[0] if details else ''}".rstrip(": ")
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def _chunk(result) -> Chunk:
     def one(name):
         return result.as_numpy(name).reshape(-1)
@@ -91,6 +100,7 @@ class TritonClient:
         self.model = model
         self._client: InferenceServerClient | None = None
         self._ready_cache: tuple[float, bool] = (0.0, False)
+        self._broken_until = 0.0  # set when Triton reports the model's stub unhealthy
 
     def _get(self) -> InferenceServerClient:
         if self._client is None:
@@ -105,6 +115,8 @@ class TritonClient:
     async def ready(self, max_age: float = 1.0) -> bool:
         """Whether Triton answers and the model is ready (cached for ``max_age`` seconds)."""
         now = time.monotonic()
+        if now < self._broken_until:
+            return False
         if now - self._ready_cache[0] < max_age:
             return self._ready_cache[1]
         try:
@@ -141,13 +153,17 @@ class TritonClient:
             call = self._get().stream_infer(requests())
         except Exception as exc:
             self.invalidate()
-            raise TritonUnavailable(f"Triton is unreachable: {exc}") from exc
+            raise TritonUnavailable(f"Triton is unavailable: {_short(exc)}") from exc
         finished = False
         try:
             async for result, error in call:
                 if error is not None:
                     status, message = parse_error(str(error.message() if hasattr(error, "message") else error))
                     finished = True
+                    if "is not healthy" in message:  # the Python stub died; Triton still says ready
+                        self._broken_until = time.monotonic() + STUB_RECOVERY_SECONDS
+                        self.invalidate()
+                        raise TritonUnavailable(message)
                     raise TritonError(status, message)
                 chunk = _chunk(result)
                 yield chunk
@@ -159,11 +175,11 @@ class TritonClient:
         except InferenceServerException as exc:
             finished = True
             self.invalidate()
-            raise TritonUnavailable(f"Triton stream failed: {exc}") from exc
+            raise TritonUnavailable(f"Triton is unavailable: {_short(exc)}") from exc
         except grpc.RpcError as exc:
             finished = True
             self.invalidate()
-            raise TritonUnavailable(f"Triton stream failed: {exc}") from exc
+            raise TritonUnavailable(f"Triton is unavailable: {_short(exc)}") from exc
         finally:
             if not finished:
                 call.cancel()

@@ -54,12 +54,19 @@ async def engine_request(engine, prompt: str, max_tokens: int) -> StreamTrace:
             return trace
 
 
-def run_engine_alone(config_path: Path | None, workload: Workload) -> list[RunResult]:
-    """Build the engine from the same settings file as the stack and run every concurrency."""
+def run_engine_alone(config_path: Path | None, workload: Workload, dtype: str = "") -> list[RunResult]:
+    """Build the engine from the same settings file as the stack and run every concurrency.
+
+    ``dtype`` (the one the stack's engine chose) overrides the file's: ``auto`` is decided
+    per process by a short timing, and the overhead comparison needs the same dtype.
+    """
     from llm_engine.config import load_settings
     from llm_engine.factory import build_engine
 
-    engine = build_engine(load_settings(config_path))
+    settings = load_settings(config_path)
+    if dtype:
+        settings.model.dtype = dtype
+    engine = build_engine(settings)
     dtype = str(engine.runner.dtype).removeprefix("torch.")
     engine.start()
     try:

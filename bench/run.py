@@ -90,15 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     machine = measure(quick=workload.quick)
     results = []
     with Stack(out / "stack.log", args.config) as stack:
-        stack_dtype = stack.engine_dtype()
-        log.info("the stack's engine runs %s", stack_dtype or "an unknown dtype (no 'engine ready' log line)")
+        stack_dtype, dtype_auto = stack.engine_dtype(), stack.dtype_decision()
+        log.info("the stack's engine runs %s (%s)", stack_dtype or "an unknown dtype (no 'engine ready' log line)",
+                 dtype_auto or "dtype set in the settings")
         results += asyncio.run(drive_stack(stack.base_url, stack.model_name, workload, stack_dtype))
-    engine_results = run_engine_alone(args.config, workload)
-    for r in engine_results:
-        if stack_dtype and r.dtype != stack_dtype:  # dtype "auto" is decided per process by a timing
-            r.note = f"dtype differs from the stack's ({stack_dtype})"
-            log.warning("engine alone chose %s but the stack chose %s", r.dtype, stack_dtype)
-    results += engine_results
+    results += run_engine_alone(args.config, workload, dtype=stack_dtype)
     gc.collect()
     peer_results, fp32_bytes = run_peers(workload)
     results += peer_results
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     summary = {"date": started.isoformat(timespec="seconds"), "duration_s": round(time.monotonic() - t0, 1),
                "loadavg_1m_start": load_start[0], "loadavg_1m_end": load_end[0],
-               "machine": machine.as_dict(), "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
+               "stack_dtype": stack_dtype, "stack_dtype_auto": dtype_auto, "machine": machine.as_dict(), "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
                "results": [r.summary() for r in results],
                "checks": [{"name": c.name, "value": c.value, "target": c.target, "status": c.status,
                            "detail": c.note} for c in checks]}
@@ -123,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
           f"(other work on the machine skews every number)\n")
     print(results_table(results), end="\n\n")
     print(checks_table(checks), end="\n\n")
+    failed = sum(r.errors for r in results)
+    if failed:
+        log.warning("%d requests failed (see the logs above and %s): the affected rows are not valid",
+                    failed, out / "stack.log")
     print(f"written: {out / 'results.csv'}, {out / 'checks.csv'}, {out / 'summary.json'}, "
           f"{out / 'results.png'} ({time.monotonic() - t0:.0f} s)")
     return 0

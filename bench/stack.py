@@ -108,13 +108,20 @@ class Stack:
             time.sleep(1.0)
         raise RuntimeError(f"the stack was not ready in {timeout:.0f}s; see {self.log_path}")
 
-    def engine_dtype(self) -> str:
-        """The dtype the Triton model chose, from its "engine ready" log line ("" if not found)."""
+    def _log_match(self, pattern: str) -> str:
         try:
-            m = re.search(r"engine ready .*?dtype=(\w+)", self.log_path.read_text(errors="replace"))
+            m = re.search(pattern, self.log_path.read_text(errors="replace"))
         except OSError:
             return ""
         return m.group(1) if m else ""
+
+    def engine_dtype(self) -> str:
+        """The dtype the Triton model chose, from its "engine ready" log line ("" if not found)."""
+        return self._log_match(r"engine ready .*?dtype=(\w+)")
+
+    def dtype_decision(self) -> str:
+        """The model's "dtype auto: ..." timing line, when the settings say ``auto``."""
+        return self._log_match(r"dtype auto: ([^\n]*)")
 
     def stop(self, timeout: float = 90.0) -> None:
         if self.proc is not None and self.proc.poll() is None:

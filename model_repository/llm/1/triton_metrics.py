@@ -57,8 +57,12 @@ class EngineMetrics:
         self.prompt_tokens.increment(prompt_tokens)
 
     def on_step(self, engine) -> None:
-        sched = engine.scheduler
         self.steps.increment(1)
+        self.on_state(engine)
+
+    def on_state(self, engine) -> None:
+        """Gauges of the engine's state; also called when a step had nothing to run."""
+        sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(sched.num_waiting)
         self.kv_usage.set(engine.blocks.usage)

@@ -156,6 +156,8 @@ class Engine:
         self._drop_cancelled()
         plan = self.scheduler.schedule()
         if not plan.items:
+            if self.metrics:
+                self.metrics.on_state(self)
             time.sleep(0.001)
             return
         now = time.monotonic()

@@ -1,0 +1,228 @@
+"""Bad input, disconnects, overload, exposure: the real stack keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_NAME, ROOT
+
+pytestmark = pytest.mark.e2e
+GOOD = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+
+
+def wait_for(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def raw_http(url: str, payload: bytes, timeout=10.0) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(payload)
+        chunks = []
+        while True:
+            try:
+                data = s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not data:
+                break
+            chunks.append(data)
+            if b"\r\n\r\n" in b"".join(chunks):
+                break
+    return b"".join(chunks)
+
+
+def test_content_length_over_limit_is_413_without_reading(stack, client):
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {41 * 2**20}\r\n\r\n").encode()
+    t0 = time.monotonic()
+    reply = raw_http(stack.url, head)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:100]
+    assert time.monotonic() - t0 < 2
+    assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_chunked_body_over_limit_is_413(stack, client):
+    def body():
+        piece = b" " * 2**20
+        for _ in range(45):
+            yield piece
+
+    r = client.post("/v1/completions", content=body(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert r.json() == {"message": "Request body too large. Maximum allowed size is 40MB."}
+    assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_oversized_headers_are_rejected(stack, client):
+    head = ("GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + "".join(
+        f"X-Filler-{i}: {'a' * 100}\r\n" for i in range(400)) + "\r\n").encode()
+    reply = raw_http(stack.url, head)
+    assert reply.split(b" ")[1] in (b"400", b"431"), reply[:80]
+    assert client.get("/v2/health/live").status_code == 200
+
+
+@pytest.mark.parametrize("body", [b"", b"[]", b"null", b'{"model": 1}', b'{"model": "' + MODEL_NAME.encode() + b'"}',
+                                  b'{"model": "' + MODEL_NAME.encode() + b'", "prompt": "x", "n": 100000}',
+                                  b"{\"prompt\": \"\\ud800\"}", b"\xff\xfe", b"[" * 5000])
+def test_garbage_gets_422_and_server_keeps_serving(client, body):
+    r = client.post("/v1/completions", content=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "Input Validation Error"
+    assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_stream_disconnect_cancels_in_engine(stack):
+    before = stack.engine_metric("llm_request_cancelled_total")
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=dict(GOOD, prompt="Tell a long story", max_tokens=400,
+                                                            ignore_eos=True, stream=True)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # first token seen: hang up
+    assert wait_for(lambda: stack.engine_metric("llm_request_cancelled_total") > before, timeout=10)
+
+
+def test_non_stream_disconnect_cancels_in_engine(stack):
+    before = stack.engine_metric("llm_request_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=stack.url, timeout=1.0) as c:
+        c.post("/v1/completions", json=dict(GOOD, prompt="Write a long essay", max_tokens=400, ignore_eos=True))
+    assert wait_for(lambda: stack.engine_metric("llm_request_cancelled_total") > before, timeout=10)
+
+
+def test_many_disconnects_leave_nothing_running(stack, client):
+    def one():
+        try:
+            with httpx.Client(base_url=stack.url, timeout=30) as c, c.stream(
+                    "POST", "/v1/completions", json=dict(GOOD, max_tokens=200, ignore_eos=True, stream=True)) as r:
+                next(r.iter_lines())
+        except httpx.HTTPError:
+            pass
+
+    for _ in range(20):
+        one()
+    assert wait_for(lambda: stack.engine_metric("llm_num_requests_running") == 0
+                    and stack.engine_metric("llm_num_requests_waiting") == 0, timeout=15)
+    assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_prompt_too_long_is_424(client):
+    r = client.post("/v1/completions", json=dict(GOOD, prompt="hello " * 3000))
+    assert r.status_code == 424
+    assert r.json()["error_type"] == "Generation Error"
+    assert "Failed to enqueue inferRequest" in r.json()["error"]
+
+
+def test_infer_client_timeout(client):
+    r = client.post("/infer", json={"inputs": "Write a long essay", "parameters": {
+        "max_new_tokens": 2000, "timeout": 1}})
+    assert r.status_code == 500
+    assert r.json() == {"error": "Engine callback timeout: client timeout", "error_type": "Incomplete Generation"}
+
+
+# -- a second adapter process with other settings, against the same Triton ---------------------
+
+
+class Adapter:
+    def __init__(self, stack, tmp_path, **server):
+        cfg = json.loads(stack.sup.config_path.read_text())
+        cfg["ServerConfig"].update(server)
+        cfg["ServerConfig"]["port"] = stack.settings.server.port + 1
+        path = tmp_path / "adapter.json"
+        path.write_text(json.dumps(cfg))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "model_repository/llm/1")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "adapter", "--config", str(path)], env=env, cwd=ROOT)
+        scheme = "https" if server.get("httpsEnabled") else "http"
+        self.url = f"{scheme}://127.0.0.1:{cfg['ServerConfig']['port']}"
+
+    def wait(self, **kw):
+        assert wait_for(lambda: self._up(**kw), timeout=60), "second adapter did not start"
+
+    def _up(self, **kw):
+        assert self.proc.poll() is None
+        try:
+            httpx.get(self.url + "/v2/health/live", timeout=1, **kw)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def adapter_with(stack, tmp_path):
+    started = []
+
+    def start(**server):
+        a = Adapter(stack, tmp_path, **server)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.stop()
+
+
+def test_overload_is_an_immediate_503_with_retry_after(adapter_with):
+    a = adapter_with(maxLinkNum=1)
+    a.wait()
+    done = threading.Event()
+
+    def long_request():
+        with httpx.Client(timeout=60) as c:
+            c.post(a.url + "/v1/completions", json=dict(GOOD, max_tokens=60, ignore_eos=True))
+        done.set()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    r = httpx.post(a.url + "/v1/completions", json=GOOD, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert time.monotonic() - t0 < 1
+    t.join()
+    assert done.is_set()
+    assert httpx.post(a.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
+
+
+def test_api_key(adapter_with):
+    a = adapter_with(apiKey="s3cret-key")
+    a.wait()
+    assert httpx.get(a.url + "/v2/health/live").status_code == 200
+    assert httpx.post(a.url + "/v1/completions", json=GOOD).status_code == 401
+    assert httpx.post(a.url + "/v1/completions", json=GOOD, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = httpx.post(a.url + "/v1/completions", json=GOOD, headers={"Authorization": "Bearer s3cret-key"}, timeout=30)
+    assert ok.status_code == 200
+    assert httpx.get(a.url + "/v1/models").status_code == 401
+
+
+def test_tls(adapter_with, tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    a = adapter_with(httpsEnabled=True, tlsCert=str(tmp_path / "server.pem"), tlsPk=str(tmp_path / "server.pem"))
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    a.wait(verify=ctx)
+    r = httpx.post(a.url + "/v1/completions", json=GOOD, verify=ctx, timeout=30)
+    assert r.status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(a.url.replace("https", "http") + "/v1/completions", json=GOOD, timeout=5)
