@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -120,3 +121,53 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+# -- a second adapter process with other settings, against the same Triton ---------------------
+
+
+class Adapter:
+    def __init__(self, stack, tmp_path, **server):
+        cfg = json.loads(stack.sup.config_path.read_text())
+        cfg["ServerConfig"].update(server)
+        cfg["ServerConfig"]["port"] = stack.settings.server.port + 1
+        path = tmp_path / "adapter.json"
+        path.write_text(json.dumps(cfg))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "model_repository/llm/1")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "adapter", "--config", str(path)], env=env, cwd=ROOT)
+        scheme = "https" if server.get("httpsEnabled") else "http"
+        self.url = f"{scheme}://127.0.0.1:{cfg['ServerConfig']['port']}"
+
+    def wait(self, **kw):
+        deadline = time.monotonic() + 60
+        while not self._up(**kw):
+            assert time.monotonic() < deadline, "second adapter did not start"
+            time.sleep(0.1)
+
+    def _up(self, **kw):
+        assert self.proc.poll() is None
+        try:
+            httpx.get(self.url + "/v2/health/live", timeout=1, **kw)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def adapter_with(stack, tmp_path):
+    started = []
+
+    def start(**server):
+        a = Adapter(stack, tmp_path, **server)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.stop()
+
+

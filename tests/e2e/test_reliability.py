@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME, ROOT
+from tests.conftest import MODEL_NAME
 
 pytestmark = pytest.mark.e2e
 GOOD = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
@@ -133,51 +129,6 @@ def test_infer_client_timeout(client):
         "max_new_tokens": 2000, "timeout": 1}})
     assert r.status_code == 500
     assert r.json() == {"error": "Engine callback timeout: client timeout", "error_type": "Incomplete Generation"}
-
-
-# -- a second adapter process with other settings, against the same Triton ---------------------
-
-
-class Adapter:
-    def __init__(self, stack, tmp_path, **server):
-        cfg = json.loads(stack.sup.config_path.read_text())
-        cfg["ServerConfig"].update(server)
-        cfg["ServerConfig"]["port"] = stack.settings.server.port + 1
-        path = tmp_path / "adapter.json"
-        path.write_text(json.dumps(cfg))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "model_repository/llm/1")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "adapter", "--config", str(path)], env=env, cwd=ROOT)
-        scheme = "https" if server.get("httpsEnabled") else "http"
-        self.url = f"{scheme}://127.0.0.1:{cfg['ServerConfig']['port']}"
-
-    def wait(self, **kw):
-        assert wait_for(lambda: self._up(**kw), timeout=60), "second adapter did not start"
-
-    def _up(self, **kw):
-        assert self.proc.poll() is None
-        try:
-            httpx.get(self.url + "/v2/health/live", timeout=1, **kw)
-            return True
-        except httpx.HTTPError:
-            return False
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(30)
-
-
-@pytest.fixture
-def adapter_with(stack, tmp_path):
-    started = []
-
-    def start(**server):
-        a = Adapter(stack, tmp_path, **server)
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.stop()
 
 
 def test_overload_is_an_immediate_503_with_retry_after(adapter_with):

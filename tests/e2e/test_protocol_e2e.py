@@ -1,0 +1,115 @@
+"""MindIE protocol features through the real stack: n/best_of, beam search, logprobs, stops, full text."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_NAME
+
+pytestmark = pytest.mark.e2e
+BASE = {"model": MODEL_NAME, "prompt": "The weather today is", "max_tokens": 6}
+
+
+def events(raw: bytes) -> list:
+    return [e[6:] for e in raw[:-2].split(b"\n\n")]
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"prompt": "x"}, 422, "Request contains not model or model null"),
+    (dict(BASE, model="other"), 422, "Not found given model, please check modelName in config file."),
+    (dict(BASE, top_p=0), 422, "Parameter top_p must be in (1e-6,1.0], got 0."),
+    (dict(BASE, repetition_penalty=3), 422, "Parameter 'repetition_penalty' must be in (0.0, 2], got 3."),
+    (dict(BASE, logprobs=6), 422, "logprobs should be in range [0, 5], got 6."),
+    (dict(BASE, max_tokens=0), 422, "Parameter max_tokens must be (0,2147483647], got 0"),
+    (dict(BASE, use_beam_search=True, stop="x", temperature=1), 422, None),
+    (dict(BASE, n=2, best_of=1, temperature=1), 422,
+     "Best_of must be greater than or equal to n, but best_of is 1 and n is 2."),
+    (dict(BASE, n=2, best_of=3, temperature=1, stream=True), 422,
+     "best_of must be equal to n, but best_of is 3 and n is 2."),
+    (dict(BASE, n=2), 422, None),
+])
+def test_validation_errors_then_success(client, body, status, message):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error_type"] == "Input Validation Error"
+    if message:
+        assert r.json()["error"] == message
+    assert client.post("/v1/completions", json=BASE).status_code == 200
+
+
+def test_best_of_returns_best_of_sorted_choices(client):
+    r = client.post("/v1/completions", json=dict(BASE, n=2, best_of=3, temperature=1.0, seed=5, logprobs=0,
+                                                   ignore_eos=True)).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in r["choices"]]
+    assert sums == sorted(sums, reverse=True)
+    assert r["usage"]["completion_tokens"] == 18
+
+
+def test_n_streams_one_choice_per_event(client):
+    with client.stream("POST", "/v1/completions", json=dict(BASE, n=2, best_of=2, temperature=1.0, stream=True,
+                                                             ignore_eos=True)) as r:
+        raw = r.read()
+    evs = events(raw)
+    assert evs[-1] == b"[DONE]"
+    bodies = [json.loads(e) for e in evs[:-1]]
+    assert all(len(b["choices"]) == 1 for b in bodies)
+    assert {b["choices"][0]["index"] for b in bodies} == {0, 1}
+    finishing = [b for b in bodies if b["choices"][0]["finish_reason"]]
+    assert len(finishing) == 2 and all(b["usage"]["completion_tokens"] == 6 for b in finishing)
+
+
+def test_beam_search_non_stream_and_pseudo_stream(client):
+    req = dict(BASE, use_beam_search=True, n=2, temperature=1.0)
+    body = client.post("/v1/completions", json=req).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    with client.stream("POST", "/v1/completions", json=dict(req, stream=True)) as r:
+        raw = r.read()
+    evs = events(raw)
+    assert len(evs) == 2 and evs[-1] == b"[DONE]"
+    streamed = json.loads(evs[0])
+    assert [c["text"] for c in streamed["choices"]] == [c["text"] for c in body["choices"]]
+
+
+def test_logprobs_shape(client):
+    body = client.post("/v1/completions", json=dict(BASE, logprobs=2, temperature=0)).json()
+    lp = body["choices"][0]["logprobs"]
+    assert list(lp) == ["text_offset", "token_logprobs", "tokens", "top_logprobs"]
+    assert len(lp["tokens"]) == 6 and lp["text_offset"][0] == 0
+    for i in range(1, 6):
+        assert lp["text_offset"][i] == lp["text_offset"][i - 1] + len(lp["tokens"][i - 1].encode())
+    for tok, top in zip(lp["tokens"], lp["top_logprobs"]):
+        assert next(iter(top)) == tok and 1 <= len(top) <= 3
+    assert "".join(lp["tokens"]) == body["choices"][0]["text"]
+
+
+def test_stop_string_is_removed(client):
+    req = dict(BASE, max_tokens=12, temperature=0, ignore_eos=True)
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    body = client.post("/v1/completions", json=dict(req, stop=[stop])).json()
+    assert body["choices"][0]["text"] == full[: full.index(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] is None
+
+
+def test_infer_multimodal_list_uses_first_text(client):
+    r = client.post("/infer", json={"inputs": [{"type": "text", "text": "Hello"}],
+                                    "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and "generated_text" in r.json()
+    bad = client.post("/infer", json={"inputs": [{"type": "image_url", "image_url": "http://127.0.0.1/x.png"}]})
+    assert bad.status_code == 422
+
+
+def test_full_text_enabled(adapter_with):
+    a = adapter_with(fullTextEnabled=True)
+    a.wait()
+    with httpx.Client(timeout=60) as c, c.stream("POST", a.url + "/infer", json={
+            "inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 4}}) as r:
+        raw = r.read()
+    evs = [json.loads(e) for e in events(raw)]
+    texts = [e["token"]["text"] for e in evs[:-1]]
+    assert all(texts[i].startswith(texts[i - 1]) for i in range(1, len(texts)))
+    assert evs[-1]["token"]["text"] is None and evs[-1]["generated_text"].startswith(texts[-1])
