@@ -51,7 +51,8 @@ class TritonPythonModel:
         from llm_engine.factory import build_engine
         from triton_metrics import EngineMetrics
 
-        self.metrics = EngineMetrics(args["model_name"], settings.model.modelName)
+        self.metrics = EngineMetrics(args["model_name"], settings.model.modelName,
+                                     args.get("model_instance_name", ""))
         device_id = self._device_id(args, settings)
         self.engine = build_engine(settings, device_id=device_id, metrics=self.metrics)
         self.max_n = settings.schedule.maxN

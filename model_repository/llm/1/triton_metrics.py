@@ -24,8 +24,8 @@ def _family(name: str, doc: str, kind):
 
 
 class EngineMetrics:
-    def __init__(self, triton_model: str, served_name: str):
-        labels = {"model": triton_model, "model_name": served_name}
+    def __init__(self, triton_model: str, served_name: str, instance: str = ""):
+        labels = {"model": triton_model, "model_name": served_name, "instance": instance}
         G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         hist = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
         self.running = _family("llm_num_requests_running", "requests in the running batch", G).Metric(labels)
