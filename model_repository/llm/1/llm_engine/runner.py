@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+# RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * weight, which F.rms_norm fuses.
+FUSABLE_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 
 
 @dataclass
@@ -90,6 +92,21 @@ class ModelRunner:
             del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
+        self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
+        self.final_norm = self._norm(self.inner.norm)
+
+    @staticmethod
+    def _norm(module):
+        """The fused ``F.rms_norm`` for the standard RMSNorm classes; the module itself otherwise."""
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if type(module).__name__ in FUSABLE_NORMS and eps is not None and module.weight.dtype != torch.float32:
+            shape, weight = (module.weight.shape[0],), module.weight
+            return lambda x: F.rms_norm(x.float(), shape, weight.float(), eps).to(x.dtype)
+        if type(module).__name__ in FUSABLE_NORMS and eps is not None:
+            shape, weight = (module.weight.shape[0],), module.weight
+            return lambda x: F.rms_norm(x, shape, weight, eps)
+        return module
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -111,15 +128,11 @@ class ModelRunner:
         cos = self.cos[step.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[step.positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            residual = h
-            x = layer.input_layernorm(h)
-            x = self._attention(i, layer.self_attn, x, cos, sin, step)
-            h = residual + x
-            residual = h
-            x = F.linear(layer.post_attention_layernorm(h), self.gate_up[i])
+            h = h + self._attention(i, layer.self_attn, self.input_norm[i](h), cos, sin, step)
+            x = F.linear(self.post_norm[i](h), self.gate_up[i])
             gate, up = x.split(x.shape[-1] // 2, dim=-1)
-            h = residual + layer.mlp.down_proj(self.act[i](gate) * up)
-        h = self.inner.norm(h[step.logit_rows])
+            h = h + layer.mlp.down_proj(self.act[i](gate) * up)
+        h = self.final_norm(h[step.logit_rows])
         return self.model.lm_head(h).float()
 
     def _attention(self, i: int, attn, x, cos, sin, step: StepInput) -> torch.Tensor:
