@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from llm_engine.weights import resolve_model_dir
 from adapter.tritonserver import REPO_ROOT, prepare_backend, triton_command, triton_env
 
 log = logging.getLogger("launch")
+PR_SET_PDEATHSIG = 1
 
 
 def child_pids(parent: int) -> list[int]:
@@ -46,6 +48,12 @@ def child_pids(parent: int) -> list[int]:
         if int(fields[1]) == parent:
             kids.append(int(entry.name))
     return kids
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this child if the launcher dies (even by SIGKILL)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def alive(pid: int) -> bool:
@@ -100,7 +108,7 @@ class Supervisor:
         self._check_ports()
         cmd = triton_command(self.paths, self.settings, self.model_repository)
         log.info("starting tritonserver (model %s)", self.settings.triton.modelName)
-        self.triton = subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        self.triton = subprocess.Popen(cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stopping.is_set():
             if self.triton.poll() is not None:
@@ -119,7 +127,8 @@ class Supervisor:
         # the engine package lives in the model repository; make it importable without an install
         paths = [str(REPO_ROOT), str(self.model_repository / "llm" / "1"), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-        self.adapter = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, start_new_session=True)
+        self.adapter = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         srv = self.settings.server
         scheme = "https" if srv.httpsEnabled else "http"
         base = f"{scheme}://{srv.ipAddress}:{srv.port}"

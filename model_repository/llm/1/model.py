@@ -56,6 +56,8 @@ class TritonPythonModel:
         device_id = self._device_id(args, settings)
         self.engine = build_engine(settings, device_id=device_id, metrics=self.metrics)
         self.max_n = settings.schedule.maxN
+        # One sender thread: the Python backend's response senders are not safe to use
+        # from several threads at once (measured: concurrent send() crashed tritonserver).
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self._sender.start()

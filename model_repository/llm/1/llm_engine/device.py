@@ -50,17 +50,17 @@ def select_dtype(name: str, device: torch.device, hidden: int = 576, inter: int 
         return _DTYPES[name]
     if device.type != "cpu":
         return torch.bfloat16
-    timings = {}
-    for dt in (torch.float32, torch.bfloat16):
-        lin = torch.nn.Linear(hidden, inter, bias=False).to(dt)
-        x = torch.randn(16, hidden, dtype=dt)
-        with torch.inference_mode():
-            for _ in range(5):
+    timings = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    layers = {dt: torch.nn.Linear(hidden, inter, bias=False).to(dt) for dt in timings}
+    with torch.inference_mode():
+        for _ in range(5):  # best of five rounds, interleaved, so a busy moment does not decide
+            for dt, lin in layers.items():
+                x = torch.randn(16, hidden, dtype=dt)
                 lin(x)
-            t0 = time.perf_counter()
-            for _ in range(30):
-                lin(x)
-        timings[dt] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for _ in range(30):
+                    lin(x)
+                timings[dt] = min(timings[dt], time.perf_counter() - t0)
     best = min(timings, key=timings.get)
     log.info("dtype auto: fp32 %.2f ms, bf16 %.2f ms per 30 Linear calls -> %s",
              timings[torch.float32] * 1e3, timings[torch.bfloat16] * 1e3, best)
