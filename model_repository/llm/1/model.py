@@ -61,6 +61,7 @@ class TritonPythonModel:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self._sender.start()
+        self.metrics.start(self.engine)
         self.engine.start()
 
     @staticmethod
@@ -129,6 +130,7 @@ class TritonPythonModel:
             sender, out, t0 = item
             try:
                 if isinstance(out, Exception):
+                    self.metrics.forget(id(sender))
                     self._send_error(sender, out)
                     continue
                 self.metrics.on_output(out, t0, id(sender))
@@ -147,6 +149,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         log.info("finalizing: stopping the engine")
         self.engine.stop()
+        self.metrics.stop()
         self._outbox.put(None)
         self._sender.join(timeout=10)
 

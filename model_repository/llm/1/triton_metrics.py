@@ -7,10 +7,13 @@ waiting sequences, KV-cache usage, tokens in and out, cancellations.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import Counter
 
 import triton_python_backend_utils as pb_utils
 
+FLUSH_SECONDS = 0.25
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
@@ -49,26 +52,39 @@ class EngineMetrics:
         self.ttft = h("llm_time_to_first_token_seconds", "arrival to first token")
         self.tpot = h("llm_time_per_output_token_seconds", "gap between output tokens")
         self.queue = h("llm_queue_time_seconds", "arrival to first scheduling")
-        self._last: dict[int, float] = {}
+        self._seq: dict[tuple[int, int], list] = {}  # (request, index) -> [first, last, tokens]
         self._preemptions = 0
+        self._lock = threading.Lock()
+        self._pending: Counter = Counter()
+        self._counters = {"steps": self.steps, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                          "gen_tokens": self.gen_tokens, "cancelled": self.cancelled, "finished": self.finished}
+        self._engine = None
+        self._stopped = threading.Event()
+
+    # Every Metric call is a round trip to the Triton process, so counts are kept here and
+    # pushed by a background thread a few times a second; histograms get one observation
+    # per sequence (TTFT, queue time, mean time per output token), not one per token.
+    def start(self, engine) -> None:
+        self._engine = engine
+        self._flusher = threading.Thread(target=self._flush_loop, name="llm-metrics", daemon=True)
+        self._flusher.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _add(self, name: str, value: float) -> None:
+        with self._lock:
+            self._pending[name] += value
 
     def on_request(self, prompt_tokens: int) -> None:
-        self.requests.increment(1)
-        self.prompt_tokens.increment(prompt_tokens)
+        self._add("requests", 1)
+        self._add("prompt_tokens", prompt_tokens)
 
     def on_step(self, engine) -> None:
-        self.steps.increment(1)
-        self.on_state(engine)
+        self._add("steps", 1)
 
     def on_state(self, engine) -> None:
-        """Gauges of the engine's state; also called when a step had nothing to run."""
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(sched.num_waiting)
-        self.kv_usage.set(engine.blocks.usage)
-        if sched.num_preemptions != self._preemptions:
-            self.preempt.increment(sched.num_preemptions - self._preemptions)
-            self._preemptions = sched.num_preemptions
+        """The engine calls this when a step had nothing to run; gauges follow in the next flush."""
 
     def on_output(self, out, t0: float, request_key: int) -> None:
         """Called by the sender thread for every response."""
@@ -76,22 +92,54 @@ class EngineMetrics:
         key = (request_key, out.index)
         n = len(out.token_ids)
         if n:
-            self.gen_tokens.increment(n)
-            last = self._last.get(key)
-            if last is None:
+            self._add("gen_tokens", n)
+            seen = self._seq.get(key)
+            if seen is None:
                 self.ttft.observe(now - t0)
                 if out.queue_wait_us:
                     self.queue.observe(out.queue_wait_us[0] / 1e6)
+                self._seq[key] = [now, now, n]
             else:
-                self.tpot.observe((now - last) / n)
-            self._last[key] = now
+                seen[1] = now
+                seen[2] += n
         if out.finish_reason:
-            self._last.pop(key, None)
+            first, last, tokens = self._seq.pop(key, (now, now, 0))
+            if tokens > 1:
+                self.tpot.observe((last - first) / (tokens - 1))
             if out.finish_reason == "cancelled":
-                self.cancelled.increment(1)
+                self._add("cancelled", 1)
             elif out.finish_reason in ("stop", "length"):
-                self.finished.increment(1)
-        self.batch.set(out.batch_size[-1] if out.batch_size else 0)
+                self._add("finished", 1)
+
+    def forget(self, request_key: int) -> None:
+        """Drop per-sequence state of a request that ended with an error."""
+        for key in [k for k in self._seq if k[0] == request_key]:
+            self._seq.pop(key, None)
+
+    def _flush_loop(self) -> None:
+        while not self._stopped.wait(FLUSH_SECONDS):
+            try:
+                self.flush()
+            except Exception:  # metrics must never take the model down
+                pass
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, Counter()
+        for name, value in pending.items():
+            if value:
+                self._counters[name].increment(value)
+        engine = self._engine
+        if engine is None:
+            return
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(engine.blocks.usage)
+        self.batch.set(engine.last_batch_size)
+        if sched.num_preemptions != self._preemptions:
+            self.preempt.increment(sched.num_preemptions - self._preemptions)
+            self._preemptions = sched.num_preemptions
 
 
 class _CounterAsHistogram:

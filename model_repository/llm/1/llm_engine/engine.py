@@ -57,6 +57,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.last_batch_size = 0
         self.dropped: list[str] = []  # ids of requests ended by cancellation (bounded)
 
     # -- lifecycle ------------------------------------------------------------
@@ -156,6 +157,7 @@ class Engine:
         self._drop_cancelled()
         plan = self.scheduler.schedule()
         if not plan.items:
+            self.last_batch_size = 0
             if self.metrics:
                 self.metrics.on_state(self)
             time.sleep(0.001)
@@ -187,6 +189,7 @@ class Engine:
                 self._fail(req, EngineError(f"generation failed: {exc}"))
             return
         self.steps += 1
+        self.last_batch_size = plan.num_sequences
         self._postprocess(plan, owners, result, now)
         if beam_rows:
             self._beam_postprocess(beam_seqs, beam_lp)
