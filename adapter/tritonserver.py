@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace,statistics"
+PYTHON_BACKEND_THREADS = 128
 
 
 @dataclass
@@ -98,5 +99,7 @@ def triton_command(
         "--strict-readiness=true",
         f"--http-restricted-api={RESTRICTED_APIS}:mindie-admin-key={key}",
         f"--grpc-restricted-protocol={RESTRICTED_APIS}:mindie-admin-key={key}",
+        # each running BLS call of llm_unary holds a backend thread until its generation ends
+        f"--backend-config=python,thread-pool-size={PYTHON_BACKEND_THREADS}",
         "--log-info=true",
     ]

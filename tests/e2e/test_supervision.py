@@ -61,7 +61,8 @@ def ready(url: str) -> int:
 def test_stub_crash_ends_streams_with_an_error_and_recovers(launched):
     proc, url = launched
     (triton,) = [p for p in child_pids(proc.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read()]
-    (stub,) = child_pids(triton)
+    # the stub of `llm` (`llm_unary` has its own)
+    (stub,) = [p for p in child_pids(triton) if "/llm/1/model.py" in open(f"/proc/{p}/cmdline").read()]
     events: list[str] = []
 
     def stream():

@@ -1,0 +1,243 @@
+"""Unary front of the decoupled ``llm`` model: one request in, exactly one response out.
+
+Triton's HTTP ``infer`` and ``/generate`` refuse decoupled models, so this default-mode
+model answers them (and gRPC unary ``infer``). ``execute()`` copies each request's
+inputs, queues it for a worker thread and returns at once; the worker calls ``llm``
+through BLS with ``stream=false`` (one response per sequence, at its end), gathers the
+sequences and sends the single response through the request's response sender (allowed
+in the default mode since Triton 24.06). Requests therefore reach the one engine of
+``llm`` as soon as they arrive, whatever batch Triton put them in, and are batched there.
+
+Cancellation (Python backend 2.51 / r24.10): a request cancelled before its BLS call
+starts never reaches the engine. Once the BLS call runs it cannot be cancelled (the BLS
+response iterator has no ``cancel()`` before r25.04), so the engine finishes the
+sequence; Triton's request ``timeout`` (tritonclient ``infer(timeout=µs)``) is therefore
+passed to the engine as ``sampling_parameters.timeout``, which the engine enforces.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+TARGET = "llm"
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+FORWARDED = ("text_input", "input_ids", "sampling_parameters")
+BLS_OUTPUTS = ["text_output", "index", "token_ids", "finish_reason", "prompt_tokens", "cached_tokens",
+               "completion_tokens", "cumulative_logprob", "seed", "batch_size", "logprobs"]
+READY_WAIT_S = 60.0  # how long a request waits for "llm" to be (re)loaded
+ENGINE_TIMEOUT_MAX_S = 65535.0  # sampling_parameters.timeout's upper bound
+_STATUS = re.compile(r"\[(\d{3})\] ")
+
+
+@dataclass
+class _Job:
+    request_id: str
+    inputs: list[Any]  # pb_utils.Tensor, copied out of the request
+    wanted: set[str]  # requested output names (Triton passes all of them when none were named)
+    keep: int | None  # best_of > n: return the n best sequences
+
+
+@dataclass
+class _Sequence:
+    text: bytes = b""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    finish_reason: bytes = b""
+    completion_tokens: int = 0
+    cumulative_logprob: float = 0.0
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        if pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("model 'llm_unary' must not be decoupled")
+        params = config.get("parameters", {})
+        workers = int(params.get("max_in_flight", {}).get("string_value", "24"))
+        self._llm_ready = False
+        self._jobs: queue.SimpleQueue[tuple[_Job, Any] | None] = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"llm-unary-{i}", daemon=True)
+                         for i in range(workers)]
+        for worker in self._workers:
+            worker.start()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._jobs.put((self._job(request), sender))
+            except Exception as exc:  # a malformed request: answer it now
+                _send(sender, _error(str(exc)))
+        return None
+
+    def finalize(self) -> None:
+        for _ in self._workers:
+            self._jobs.put(None)
+
+    # -- requests in -------------------------------------------------------------------
+    def _job(self, request) -> _Job:
+        inputs = []
+        for name in FORWARDED:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                continue
+            array = tensor.as_numpy()
+            if array.shape[0] != 1:
+                raise ValueError(f"[400] {name}: send one prompt per request (batch dimension 1), "
+                                 f"got {array.shape[0]}")
+            inputs.append(pb_utils.Tensor(name, np.array(array, copy=True)))
+        keep, rewritten = _plan(_scalar(inputs, "sampling_parameters"), request.timeout())
+        if rewritten is not None:
+            inputs = [t for t in inputs if t.name() != "sampling_parameters"]
+            inputs.append(pb_utils.Tensor("sampling_parameters", np.array([[rewritten]], dtype=np.object_)))
+        inputs.append(pb_utils.Tensor("stream", np.array([[False]], dtype=np.bool_)))
+        return _Job(request_id=request.request_id(), inputs=inputs,
+                    wanted=set(request.requested_output_names()), keep=keep)
+
+    # -- the worker: BLS to llm, one response back ---------------------------------------
+    def _work(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, sender = item
+            try:
+                response = self._generate(job, sender)
+            except Exception as exc:
+                response = _error(f"[500] llm_unary: {exc}")
+            _send(sender, response)
+
+    def _generate(self, job: _Job, sender) -> Any:
+        if not self._wait_for_llm(sender):
+            if sender.is_cancelled():
+                return _cancelled()
+            return _error(f"[503] model '{TARGET}' is not ready")
+        if sender.is_cancelled():  # cancelled while queued: the engine never sees it
+            return _cancelled()
+        bls = pb_utils.InferenceRequest(model_name=TARGET, inputs=job.inputs,
+                                        requested_output_names=BLS_OUTPUTS, request_id=job.request_id)
+        seqs: dict[int, _Sequence] = {}
+        meta = {"prompt_tokens": 0, "cached_tokens": 0, "seed": 0, "max_step_batch_size": 0}
+        for response in bls.exec(decoupled=True):
+            if response.has_error():
+                message = response.error().message()
+                if "not ready" in message or "unknown model" in message:
+                    self._llm_ready = False
+                return _error(message)
+            if not response.output_tensors():  # a flags-only final response
+                continue
+            out = {t.name(): t.as_numpy().reshape(-1) for t in response.output_tensors()}
+            seq = seqs.setdefault(int(out["index"][0]), _Sequence())
+            seq.text += bytes(out["text_output"][0])
+            seq.token_ids += [int(t) for t in out["token_ids"]]
+            if out["logprobs"][0]:
+                seq.logprobs = (seq.logprobs or []) + json.loads(out["logprobs"][0])
+            seq.finish_reason = bytes(out["finish_reason"][0])
+            seq.completion_tokens = int(out["completion_tokens"][0])
+            seq.cumulative_logprob = float(out["cumulative_logprob"][0])
+            for name in ("prompt_tokens", "cached_tokens", "seed"):
+                meta[name] = int(out[name][0])
+            meta["max_step_batch_size"] = max(meta["max_step_batch_size"], *map(int, out["batch_size"]), 0)
+        if sender.is_cancelled():
+            pb_utils.Logger.log_warn(f"llm_unary: request {job.request_id!r} was cancelled; its generation "
+                                     "ran to its end (a BLS call cannot be cancelled in this Triton)")
+            return _cancelled()
+        if not seqs:
+            return _error(f"[500] model '{TARGET}' returned no sequence")
+        chosen = sorted(seqs.items())
+        if job.keep is not None and len(chosen) > job.keep:
+            best = sorted(chosen, key=lambda kv: kv[1].cumulative_logprob, reverse=True)[: job.keep]
+            chosen = sorted(best, key=lambda kv: kv[0])
+        return _response(chosen, meta, job.wanted)
+
+    def _wait_for_llm(self, sender) -> bool:
+        """Triton loads every model at once; a BLS call to a model still loading fails."""
+        deadline = time.monotonic() + READY_WAIT_S
+        while not self._llm_ready:
+            self._llm_ready = pb_utils.is_model_ready(model_name=TARGET)
+            if self._llm_ready:
+                break
+            if sender.is_cancelled() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
+
+def _scalar(tensors: list, name: str) -> Any:
+    for t in tensors:
+        if t.name() == name:
+            flat = t.as_numpy().reshape(-1)
+            return flat[0] if flat.size else None
+    return None
+
+
+def _plan(raw: Any, timeout_us: int) -> tuple[int | None, bytes | None]:
+    """How many sequences to return, and sampling_parameters rewritten with the request's deadline.
+
+    Validation is left to ``llm`` (so its ``[400]`` messages reach the client unchanged);
+    anything that is not a JSON object is forwarded as it came.
+    """
+    try:
+        data = json.loads(raw) if raw else {}
+    except (TypeError, ValueError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    n, best_of = data.get("n") or 1, data.get("best_of")
+    keep = n if isinstance(n, int) and isinstance(best_of, int) and best_of > n else None
+    if timeout_us > 0 and data.get("timeout") is None:
+        data["timeout"] = min(max(timeout_us / 1e6, 1e-3), ENGINE_TIMEOUT_MAX_S)
+        return keep, json.dumps(data).encode()
+    return keep, None
+
+
+def _response(chosen: list[tuple[int, _Sequence]], meta: dict[str, int], wanted: set[str]) -> Any:
+    seqs = [s for _, s in chosen]
+    values: dict[str, tuple[list, Any]] = {
+        "text_output": ([s.text for s in seqs], np.object_),
+        "index": ([i for i, _ in chosen], np.int32),
+        "finish_reason": ([s.finish_reason for s in seqs], np.object_),
+        "completion_tokens": ([s.completion_tokens for s in seqs], np.int32),
+        "cumulative_logprob": ([s.cumulative_logprob for s in seqs], np.float32),
+        "token_ids": ([json.dumps(s.token_ids).encode() for s in seqs], np.object_),
+        "logprobs": ([json.dumps(s.logprobs).encode() if s.logprobs is not None else b"" for s in seqs],
+                     np.object_),
+        "prompt_tokens": ([meta["prompt_tokens"]], np.int32),
+        "cached_tokens": ([meta["cached_tokens"]], np.int32),
+        "seed": ([meta["seed"]], np.uint64),
+        "max_step_batch_size": ([meta["max_step_batch_size"]], np.int32),
+    }
+    tensors = [pb_utils.Tensor(name, np.array(v, dtype=dt).reshape(1, -1))
+               for name, (v, dt) in values.items() if not wanted or name in wanted]
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _error(message: str) -> Any:
+    """A Triton error keeping ``llm``'s ``[status]`` prefix; 4xx become INVALID_ARG (HTTP 400)."""
+    m = _STATUS.search(message)
+    status = int(m.group(1)) if m else 500
+    if 400 <= status < 500:
+        code = pb_utils.TritonError.INVALID_ARG
+    elif status in (503, 504):
+        code = pb_utils.TritonError.UNAVAILABLE
+    else:
+        code = pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def _cancelled() -> Any:
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError("[499] request cancelled", pb_utils.TritonError.CANCELLED))
+
+
+def _send(sender, response) -> None:
+    try:
+        sender.send(response, flags=FINAL)
+    except Exception as exc:
+        pb_utils.Logger.log_error(f"llm_unary: could not send a response: {exc}")
