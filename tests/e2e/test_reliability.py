@@ -177,3 +177,30 @@ def test_tls(adapter_with, tmp_path):
     assert r.status_code == 200
     with pytest.raises(httpx.HTTPError):
         httpx.post(a.url.replace("https", "http") + "/v1/completions", json=GOOD, timeout=5)
+
+
+def test_triton_admin_apis_are_restricted(stack):
+    # model control, shared memory and logging need the launcher's random key
+    assert httpx.post(stack.triton_http + "/v2/repository/index", timeout=5).status_code in (401, 403)
+    assert httpx.get(stack.triton_http + "/v2/systemsharedmemory/status", timeout=5).status_code in (401, 403)
+    assert httpx.get(stack.triton_http + "/v2/logging", timeout=5).status_code in (401, 403)
+    assert httpx.get(stack.triton_http + "/v2/health/ready", timeout=5).status_code == 200
+
+
+def test_seeded_sampling_is_reproducible_under_concurrency(stack):
+    import asyncio
+
+    req = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9,
+           "seed": 4242, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+            alone = (await c.post("/v1/completions", json=req)).json()
+            noise = [c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": f"Noise {i}", "max_tokens": 12,
+                                                      "temperature": 1.0, "ignore_eos": True}) for i in range(5)]
+            together = await asyncio.gather(c.post("/v1/completions", json=req), *noise)
+            return alone, together[0].json()
+
+    alone, batched = asyncio.run(run())
+    assert max(batched["usage"]["batch_size"]) > 1
+    assert batched["choices"][0]["text"] == alone["choices"][0]["text"]

@@ -206,3 +206,48 @@ def test_beam_search_returns_n_ranked_beams(engine):
                  logprobs=0).wait().outputs[-1]
     assert finals[0].cumulative_logprob >= greedy.cumulative_logprob - 1e-3 or finals[0].completion_tokens < 6
     assert engine.blocks.num_free > 0
+
+
+def test_prefix_cache_does_not_change_greedy_output(engine):
+    prompt = "In a quiet village by the sea, an old fisherman told stories every evening. One night he said"
+    no_cache = build(kvCacheMemoryMiB=64, enablePrefixCache=False)
+    try:
+        want = Run(no_cache, prompt, max_tokens=10, temperature=0).wait().text()
+    finally:
+        no_cache.stop()
+    Run(engine, prompt, max_tokens=10, temperature=0).wait()
+    again = Run(engine, prompt, max_tokens=10, temperature=0).wait()
+    assert again.outputs[-1].cached_tokens > 0
+    assert again.text() == want
+
+
+def test_a_request_cancelled_while_queued_never_runs():
+    eng = build(kvCacheBlocks=4, cacheBlockSize=16, enablePrefixCache=False)
+    try:
+        hog = Run(eng, "Fill the cache with a long answer", max_tokens=40, temperature=0, ignore_eos=True)
+        flag = threading.Event()
+        waiting = Run(eng, "I will wait " * 10, max_tokens=5, temperature=0, cancel=flag.is_set)
+        flag.set()
+        waiting.wait()
+        hog.wait()
+        assert waiting.outputs[-1].finish_reason == "cancelled"
+        assert waiting.outputs[-1].completion_tokens == 0
+        assert eng.blocks.num_free == 4
+    finally:
+        eng.stop()
+
+
+def test_a_local_hf_checkpoint_directory_loads(model_dir):
+    from llm_engine.factory import build_engine
+
+    s = Settings()
+    s.model.modelWeightPath = str(model_dir)
+    s.model.dtype = "float32"
+    s.schedule.kvCacheMemoryMiB = 32
+    eng = build_engine(s)
+    eng.start()
+    try:
+        r = Run(eng, "Hello", max_tokens=3, temperature=0, ignore_eos=True).wait()
+        assert r.outputs[-1].completion_tokens == 3
+    finally:
+        eng.stop()
