@@ -251,3 +251,24 @@ def test_a_local_hf_checkpoint_directory_loads(model_dir):
         assert r.outputs[-1].completion_tokens == 3
     finally:
         eng.stop()
+
+
+def test_a_failing_request_does_not_take_others_down(engine, monkeypatch):
+    poison = engine.tokenizer(" zebra").input_ids[-1]
+    real_forward = engine.runner.forward
+
+    def forward(step):
+        if poison in step.input_ids.tolist():
+            raise RuntimeError("injected model bug")
+        return real_forward(step)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    healthy = Run(engine, "A healthy request", max_tokens=30, temperature=0, ignore_eos=True)
+    while not healthy.outputs:
+        healthy.done.wait(0.01)
+    bad = Run(engine, "A poisoned zebra", max_tokens=5, temperature=0).wait()
+    healthy.wait()
+    assert isinstance(bad.error, EngineError) and "injected" in str(bad.error)
+    assert healthy.error is None and healthy.outputs[-1].completion_tokens == 30
+    monkeypatch.setattr(engine.runner, "forward", real_forward)
+    assert Run(engine, "Still serving", max_tokens=2, temperature=0).wait().error is None

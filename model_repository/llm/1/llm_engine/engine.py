@@ -166,12 +166,14 @@ class Engine:
         for req in {id(it.seq.request): it.seq.request for it in plan.items}.values():
             if req.first_scheduled == 0.0:
                 req.first_scheduled = now
+        advanced = False
         try:
             self.runner.copy_blocks(plan.copies)
             step_in, owners = self._build_input(plan)
             logits = self.runner.forward(step_in)
             for it in plan.items:
                 it.seq.num_computed += it.num_tokens
+            advanced = True
             owners, rows_idx = self._expand_forks(owners)
             if len(rows_idx) != logits.shape[0]:
                 logits = logits[torch.tensor(rows_idx, device=logits.device)]
@@ -184,9 +186,7 @@ class Engine:
                 logits = logits[keep]
             result = sample(logits, [self._row_spec(seq) for seq in owners])
         except Exception as exc:
-            log.exception("model step failed; failing the %d requests in it", plan.num_sequences)
-            for req in {id(it.seq.request): it.seq.request for it in plan.items}.values():
-                self._fail(req, EngineError(f"generation failed: {exc}"))
+            self._step_failed(plan, exc, advanced)
             return
         self.steps += 1
         self.last_batch_size = plan.num_sequences
@@ -195,6 +195,23 @@ class Engine:
             self._beam_postprocess(beam_seqs, beam_lp)
         if self.metrics:
             self.metrics.on_step(self)
+
+    def _step_failed(self, plan: Plan, exc: Exception, advanced: bool) -> None:
+        """Fail the requests most likely to have caused a failed step; the others retry it.
+
+        Requests that were prefilling in this step (new input) are blamed; when there
+        are none, every request in the step is. The rest roll back and run again.
+        """
+        if advanced:
+            for it in plan.items:
+                it.seq.num_computed -= it.num_tokens
+        reqs = {id(it.seq.request): it.seq.request for it in plan.items}
+        blamed = {id(it.seq.request) for it in plan.items if it.num_tokens > 1 or it.seq.num_generated == 0}
+        blamed = blamed or set(reqs)
+        log.error("engine step failed (%s: %s); failing %d of %d requests, the others retry",
+                  type(exc).__name__, exc, len(blamed), len(reqs), exc_info=exc)
+        for key in blamed:
+            self._fail(reqs[key], EngineError(f"generation failed: {exc}"))
 
     # -- helpers -------------------------------------------------------------------
     def _drop_cancelled(self) -> None:
@@ -287,9 +304,15 @@ class Engine:
                 req.batch_sizes.append(plan.num_sequences)
                 req.queue_waits_us.append(int(max(0.0, step_start - since) * 1e6))
         for row, seq in enumerate(owners):
-            self.blocks.register_prompt_blocks(seq.table, seq.token_ids,
-                                               min(seq.num_computed, seq.request.prompt_len))
-            self._append(seq, result.tokens[row], result.logprobs[row], result.top[row])
+            if seq.request.done:
+                continue
+            try:
+                self.blocks.register_prompt_blocks(seq.table, seq.token_ids,
+                                                   min(seq.num_computed, seq.request.prompt_len))
+                self._append(seq, result.tokens[row], result.logprobs[row], result.top[row])
+            except Exception as exc:  # a bug in one request's post-processing ends only that request
+                log.exception("post-processing request %s failed", seq.request.request_id)
+                self._fail(seq.request, EngineError(f"generation failed: {exc}"))
         for req in stepped.values():
             req.last_progress = now
             if req.done or req.params.use_beam_search:
