@@ -272,3 +272,11 @@ def test_a_failing_request_does_not_take_others_down(engine, monkeypatch):
     assert healthy.error is None and healthy.outputs[-1].completion_tokens == 30
     monkeypatch.setattr(engine.runner, "forward", real_forward)
     assert Run(engine, "Still serving", max_tokens=2, temperature=0).wait().error is None
+
+
+def test_prompts_prefilled_together_match_each_alone(engine):
+    prompts = ["Hi", "The history of the Roman empire begins with", "List: apples, pears,"]
+    alone = [Run(engine, p, max_tokens=6, temperature=0, ignore_eos=True).wait().text() for p in prompts]
+    together = [Run(engine, p, max_tokens=6, temperature=0, ignore_eos=True) for p in prompts]
+    assert [r.wait().text() for r in together] == alone
+    assert max(together[-1].outputs[0].batch_size) > 1

@@ -35,6 +35,19 @@ class StepInput:
     decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] bool, True = attend
     prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (start_row, n_tokens, ctx_len, ctx_slots)
     logit_rows: torch.Tensor  # [R] token rows whose logits are needed
+    short_prefills: PrefillBatch | None = None  # short prefill chunks, attended in one padded call
+
+
+@dataclass
+class PrefillBatch:
+    """Several short prefill chunks padded to ``[P, Lq]`` queries over ``[P, Lk]`` keys."""
+
+    q_index: torch.Tensor  # [P * Lq] token row of each padded query (pads repeat a valid row)
+    q_valid: torch.Tensor  # [P * Lq] bool, False for pads
+    q_rows: torch.Tensor  # token rows of the valid queries, in padded order
+    kv_slots: torch.Tensor  # [P * Lk] slot of each key (pads = the dummy slot)
+    mask: torch.Tensor  # [P, 1, Lq, Lk] bool, causal within each sequence's context
+    shape: tuple[int, int, int]  # P, Lq, Lk
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +173,14 @@ class ModelRunner:
                 qd, kd, vd, attn_mask=step.decode_mask, scale=self.scaling, enable_gqa=True
             )
             out[step.decode_rows] = od.squeeze(2)
+        if step.short_prefills is not None:
+            pb = step.short_prefills
+            p, lq, lk = pb.shape
+            qp = q.index_select(0, pb.q_index).view(p, lq, self.num_heads, self.head_dim).transpose(1, 2)
+            kp = cache_k.index_select(0, pb.kv_slots).view(p, lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vp = cache_v.index_select(0, pb.kv_slots).view(p, lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pb.mask, scale=self.scaling, enable_gqa=True)
+            out[pb.q_rows] = op.transpose(1, 2).reshape(p * lq, self.num_heads, self.head_dim)[pb.q_valid]
         for start, n, ctx_len, ctx_slots in step.prefills:
             qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if ctx_slots is None:  # whole context is in this chunk
