@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from adapter.errors import MindIEError
 from adapter.protocol.common import GenerationPlan
 from adapter.protocol.completions import CompletionRequest, CompletionResponse, parse_completion_request
-from adapter.service import ClientGone, DeadlineExceeded, Service, until_disconnect
+from adapter.service import DeadlineExceeded, Service, guard_stream, until_disconnect
 from adapter.sse import DONE, compact, event
 from adapter.triton import Chunk
 
@@ -75,7 +75,7 @@ async def completions(request: Request):
     plan = await svc.plan(parse_completion_request, raw)
     req_id = svc.request_id(request)
     if plan.stream and not plan.sampling.get("use_beam_search"):
-        return StreamingResponse(_stream(svc, plan, req_id), media_type="text/event-stream")
+        return StreamingResponse(guard_stream(_stream(svc, plan, req_id), req_id), media_type="text/event-stream")
     body = await until_disconnect(request, _collect(svc, plan, req_id))
     if plan.stream:  # beam search: a pseudo-stream with one event
         return StreamingResponse(_once(body), media_type="text/event-stream")
@@ -118,30 +118,20 @@ async def _stream(svc: Service, plan: GenerationPlan, req_id: str) -> AsyncItera
     full_text = svc.settings.server.fullTextEnabled
     so_far: dict[int, str] = {}
     lp = LogprobBuilder()
-    try:
-        async for chunk in svc.chunks(req_id, plan, stream=True):
-            text = clean(chunk.text)
-            so_far[chunk.index] = so_far.get(chunk.index, "") + text
-            logprobs = None
-            if plan.logprobs is not None:
-                logprobs = lp.build((chunk.logprobs or [])[:1])
-            choice = {"index": chunk.index, "text": so_far[chunk.index] if full_text else text,
-                      "logprobs": logprobs, "stop_reason": None,
-                      "finish_reason": finish_reason(chunk.finish_reason)}
-            body = {"id": req_id, "object": "text_completion", "created": int(time.time()),
-                    "model": plan.model, "choices": [choice]}
-            if chunk.finish_reason:
-                body["usage"] = usage([chunk], chunk.completion_tokens)
-            yield event(body)
-        yield DONE
-    except DeadlineExceeded as exc:
-        yield str(exc).encode()
-    except MindIEError as exc:
-        yield event({"error": exc.message, "error_type": exc.error_type})
-    except ClientGone:
-        return
-    except Exception:
-        log.exception("stream %s failed", req_id)
-        yield event({"error": "Failed to get engine response.", "error_type": "Incomplete Generation"})
+    async for chunk in svc.chunks(req_id, plan, stream=True):
+        text = clean(chunk.text)
+        so_far[chunk.index] = so_far.get(chunk.index, "") + text
+        logprobs = None
+        if plan.logprobs is not None:
+            logprobs = lp.build((chunk.logprobs or [])[:1])
+        choice = {"index": chunk.index, "text": so_far[chunk.index] if full_text else text,
+                  "logprobs": logprobs, "stop_reason": None,
+                  "finish_reason": finish_reason(chunk.finish_reason)}
+        body = {"id": req_id, "object": "text_completion", "created": int(time.time()),
+                "model": plan.model, "choices": [choice]}
+        if chunk.finish_reason:
+            body["usage"] = usage([chunk], chunk.completion_tokens)
+        yield event(body)
+    yield DONE
 
 

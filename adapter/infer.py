@@ -13,7 +13,7 @@ from adapter.completions import clean
 from adapter.errors import MindIEError
 from adapter.protocol.common import GenerationPlan
 from adapter.protocol.infer import InferRequest, InferResponse, parse_infer_request
-from adapter.service import ClientGone, DeadlineExceeded, Service, until_disconnect
+from adapter.service import DeadlineExceeded, Service, guard_stream, until_disconnect
 from adapter.sse import compact, event
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ async def infer(request: Request):
     req_id = svc.request_id(request)
     timeout = plan.sampling.get("timeout")
     if plan.stream:
-        return StreamingResponse(_stream(svc, plan, req_id, timeout), media_type="text/event-stream")
+        return StreamingResponse(guard_stream(_stream(svc, plan, req_id, timeout), req_id), media_type="text/event-stream")
     body = await until_disconnect(request, _collect(svc, plan, req_id, timeout))
     return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
 
@@ -65,32 +65,22 @@ async def _stream(svc: Service, plan: GenerationPlan, req_id: str, timeout: floa
     start = prev = time.monotonic()
     generated = ""
     first = True
-    try:
-        async for chunk in svc.chunks(req_id, plan, stream=True, client_timeout=timeout):
-            now = time.monotonic()
-            if first:
-                timing = {"prefill_time": round((now - start) * 1000, 3), "decode_time": None}
-            else:
-                timing = {"prefill_time": None, "decode_time": round((now - prev) * 1000, 3)}
-            prev = now
-            first = False
-            text = clean(chunk.text)
-            generated += text
-            if chunk.final:
-                body = dict(timing)
-                body["generated_text"] = generated
-                body["details"] = details(plan, chunk.finish_reason, chunk.completion_tokens, chunk.seed)
-                body["token"] = {"id": chunk.token_ids, "text": None}
-                yield event(body)
-                return
-            body = dict(timing, token={"id": chunk.token_ids, "text": generated if full_text else text})
+    async for chunk in svc.chunks(req_id, plan, stream=True, client_timeout=timeout):
+        now = time.monotonic()
+        if first:
+            timing = {"prefill_time": round((now - start) * 1000, 3), "decode_time": None}
+        else:
+            timing = {"prefill_time": None, "decode_time": round((now - prev) * 1000, 3)}
+        prev = now
+        first = False
+        text = clean(chunk.text)
+        generated += text
+        if chunk.final:
+            body = dict(timing)
+            body["generated_text"] = generated
+            body["details"] = details(plan, chunk.finish_reason, chunk.completion_tokens, chunk.seed)
+            body["token"] = {"id": chunk.token_ids, "text": None}
             yield event(body)
-    except DeadlineExceeded as exc:
-        yield str(exc).encode()
-    except MindIEError as exc:
-        yield event({"error": exc.message, "error_type": exc.error_type})
-    except ClientGone:
-        return
-    except Exception:
-        log.exception("stream %s failed", req_id)
-        yield event({"error": "Failed to get engine response.", "error_type": "Incomplete Generation"})
+            return
+        body = dict(timing, token={"id": chunk.token_ids, "text": generated if full_text else text})
+        yield event(body)

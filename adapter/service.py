@@ -23,6 +23,7 @@ from adapter.errors import (
     validation_error,
 )
 from adapter.protocol.common import GenerationPlan
+from adapter.sse import event
 from adapter.triton import Chunk, TritonClient, TritonError
 
 log = logging.getLogger(__name__)
@@ -155,3 +156,22 @@ async def until_disconnect(request: Request, work):
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
+
+
+async def guard_stream(events: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
+    """Pass SSE bytes through; a failure after the stream started ends it MindIE's way.
+
+    Timeouts are written as raw text (no ``data:``), other errors as a final error event.
+    """
+    try:
+        async for data in events:
+            yield data
+    except DeadlineExceeded as exc:
+        yield str(exc).encode()
+    except MindIEError as exc:
+        yield event({"error": exc.message, "error_type": exc.error_type})
+    except ClientGone:
+        return
+    except Exception:
+        log.exception("stream %s failed", request_id)
+        yield event({"error": "Failed to get engine response.", "error_type": "Incomplete Generation"})
