@@ -8,13 +8,17 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
 
-from adapter.errors import MindIEError
 from adapter.protocol.common import GenerationPlan
 from adapter.protocol.completions import CompletionRequest, CompletionResponse, parse_completion_request
-from adapter.service import DeadlineExceeded, Service, guard_stream, until_disconnect
-from adapter.sse import DONE, compact, event
+from adapter.service import (
+    Service,
+    body_schema,
+    json_response,
+    sse_response,
+    until_disconnect,
+)
+from adapter.sse import DONE, event
 from adapter.triton import Chunk
 
 log = logging.getLogger(__name__)
@@ -66,20 +70,16 @@ def usage(chunks: list[Chunk], completion_tokens: int) -> dict:
     }
 
 
-@router.post("/v1/completions", response_model=CompletionResponse,
-             openapi_extra={"requestBody": {"content": {"application/json": {
-                 "schema": CompletionRequest.model_json_schema()}}, "required": True}})
+@router.post("/v1/completions", response_model=CompletionResponse, openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request):
     svc: Service = request.app.state.service
-    raw = await request.body()
-    plan = await svc.plan(parse_completion_request, raw)
-    req_id = svc.request_id(request)
+    plan, req_id = await svc.begin(request, parse_completion_request)
     if plan.stream and not plan.sampling.get("use_beam_search"):
-        return StreamingResponse(guard_stream(_stream(svc, plan, req_id), req_id), media_type="text/event-stream")
+        return sse_response(_stream(svc, plan, req_id), req_id)
     body = await until_disconnect(request, _collect(svc, plan, req_id))
     if plan.stream:  # beam search: a pseudo-stream with one event
-        return StreamingResponse(_once(body), media_type="text/event-stream")
-    return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
+        return sse_response(_once(body), req_id)
+    return json_response(body)
 
 
 async def _once(body: dict) -> AsyncIterator[bytes]:
@@ -89,13 +89,9 @@ async def _once(body: dict) -> AsyncIterator[bytes]:
 
 async def _collect(svc: Service, plan: GenerationPlan, req_id: str) -> dict:
     per_index: dict[int, list[Chunk]] = {}
-    try:
-        async for chunk in svc.chunks(req_id, plan, stream=False):
-            per_index.setdefault(chunk.index, []).append(chunk)
-    except DeadlineExceeded as exc:
-        raise MindIEError(500, str(exc), "Incomplete Generation") from None
-    finals = {i: cs for i, cs in per_index.items()}
-    ordered = sorted(finals.values(), key=lambda cs: cs[-1].cumulative_logprob, reverse=True)
+    async for chunk in svc.chunks(req_id, plan, stream=False):
+        per_index.setdefault(chunk.index, []).append(chunk)
+    ordered = sorted(per_index.values(), key=lambda cs: cs[-1].cumulative_logprob, reverse=True)
     ordered = ordered[: plan.num_choices]
     lp = LogprobBuilder()
     choices = []

@@ -7,14 +7,18 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
 
 from adapter.completions import clean
-from adapter.errors import MindIEError
 from adapter.protocol.common import GenerationPlan
 from adapter.protocol.infer import InferRequest, InferResponse, parse_infer_request
-from adapter.service import DeadlineExceeded, Service, guard_stream, until_disconnect
-from adapter.sse import compact, event
+from adapter.service import (
+    Service,
+    body_schema,
+    json_response,
+    sse_response,
+    until_disconnect,
+)
+from adapter.sse import event
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -31,29 +35,21 @@ def details(plan: GenerationPlan, reason: str, tokens: int, seed: int) -> dict |
     return {"finish_reason": finish_reason(reason), "generated_tokens": tokens, "seed": seed}
 
 
-@router.post("/infer", response_model=InferResponse,
-             openapi_extra={"requestBody": {"content": {"application/json": {
-                 "schema": InferRequest.model_json_schema()}}, "required": True}})
+@router.post("/infer", response_model=InferResponse, openapi_extra=body_schema(InferRequest))
 async def infer(request: Request):
     svc: Service = request.app.state.service
-    raw = await request.body()
-    plan = await svc.plan(parse_infer_request, raw)
-    req_id = svc.request_id(request)
+    plan, req_id = await svc.begin(request, parse_infer_request)
     timeout = plan.sampling.get("timeout")
     if plan.stream:
-        return StreamingResponse(guard_stream(_stream(svc, plan, req_id, timeout), req_id), media_type="text/event-stream")
-    body = await until_disconnect(request, _collect(svc, plan, req_id, timeout))
-    return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
+        return sse_response(_stream(svc, plan, req_id, timeout), req_id)
+    return json_response(await until_disconnect(request, _collect(svc, plan, req_id, timeout)))
 
 
 async def _collect(svc: Service, plan: GenerationPlan, req_id: str, timeout: float | None) -> dict:
     text, last = "", None
-    try:
-        async for chunk in svc.chunks(req_id, plan, stream=False, client_timeout=timeout):
-            text += chunk.text
-            last = chunk
-    except DeadlineExceeded as exc:
-        raise MindIEError(500, str(exc), "Incomplete Generation") from None
+    async for chunk in svc.chunks(req_id, plan, stream=False, client_timeout=timeout):
+        text += chunk.text
+        last = chunk
     body = {"generated_text": clean(text)}
     if plan.details and last is not None:
         body["details"] = details(plan, last.finish_reason, last.completion_tokens, last.seed)

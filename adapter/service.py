@@ -14,6 +14,7 @@ from llm_engine.config import Settings
 from llm_engine.weights import model_limits, resolve_model_dir
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from adapter.errors import (
     MindIEError,
@@ -23,7 +24,7 @@ from adapter.errors import (
     validation_error,
 )
 from adapter.protocol.common import GenerationPlan
-from adapter.sse import event
+from adapter.sse import compact, event
 from adapter.triton import Chunk, TritonClient, TritonError
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,11 @@ class Service:
     def request_id(self, request: Request) -> str:
         given = request.headers.get("req-id")
         return given if given else f"endpoint_common_{next(self._ids)}"
+
+    async def begin(self, request: Request, parser: Callable) -> tuple[GenerationPlan, str]:
+        """Read and validate a request body; return its plan and its request id."""
+        plan = await self.plan(parser, await request.body())
+        return plan, self.request_id(request)
 
     async def plan(self, parser: Callable, raw: bytes) -> GenerationPlan:
         """Validate in a worker thread (tokenizing 4 MB must not block the loop)."""
@@ -117,7 +123,9 @@ class Service:
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
-                    raise DeadlineExceeded(which) from None
+                    if stream:  # written into the stream as raw text by guard_stream
+                        raise DeadlineExceeded(which) from None
+                    raise incomplete_error(f"Engine callback timeout: {which}") from None
                 except TritonError as exc:
                     raise to_mindie(exc) from None
                 yield chunk
@@ -156,6 +164,21 @@ async def until_disconnect(request: Request, work):
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
+
+
+def sse_response(events: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+    return StreamingResponse(guard_stream(events, request_id), media_type="text/event-stream")
+
+
+def json_response(body: dict) -> Response:
+    """MindIE's non-stream answer: compact JSON, ``Connection: close``."""
+    return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
+
+
+def body_schema(model) -> dict:
+    """OpenAPI request body for routes that read the raw body themselves."""
+    return {"requestBody": {"content": {"application/json": {"schema": model.model_json_schema()}},
+                            "required": True}}
 
 
 async def guard_stream(events: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:

@@ -19,18 +19,17 @@ import torch
 
 from . import beam as beam_search
 from . import contract
+from .batch import build_step_input
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineError, EnqueueRejected, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
-from .runner import ModelRunner, PrefillBatch, StepInput
+from .runner import ModelRunner, StepInput
 from .sampler import RowSpec, sample
 from .scheduler import Plan, Scheduler
 from .sequence import Request, Sequence, Status, StepOutput
 from .stopping import StopChecker
 
 log = logging.getLogger(__name__)
-SHORT_PREFILL_TOKENS = 128  # prefill chunks up to this long share one padded attention call
-SHORT_PREFILL_CONTEXT = 2048
 
 
 @dataclass
@@ -232,84 +231,7 @@ class Engine:
                 self._fail(req, RequestTimeout("Engine callback timeout: client timeout"))
 
     def _build_input(self, plan: Plan) -> tuple[StepInput, list[Sequence]]:
-        dev = self.runner.device
-        bs = self.blocks.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_seqs: list[Sequence] = []
-        prefills = []
-        short: list[tuple[int, int, int, Sequence]] = []
-        logit_rows: list[int] = []
-        owners: list[Sequence] = []
-        for it in plan.items:
-            seq, start, n = it.seq, it.seq.num_computed, it.num_tokens
-            row = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
-            table = seq.table.blocks
-            for p in range(start, start + n):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            if n == 1 and start > 0:
-                decode_rows.append(row)
-                decode_seqs.append(seq)
-            elif n <= SHORT_PREFILL_TOKENS and start + n <= SHORT_PREFILL_CONTEXT:
-                short.append((row, n, start + n, seq))
-            else:
-                ctx = None
-                if start > 0:
-                    ctx = self._context_slots([seq], start + n)[0]
-                prefills.append((row, n, start + n, ctx))
-            if it.needs_logits:
-                logit_rows.append(row + n - 1)
-                owners.append(seq)
-        if decode_seqs:
-            lens = [len(s.token_ids) for s in decode_seqs]
-            ctx = self._context_slots(decode_seqs, max(lens))
-            lens_t = torch.tensor(lens, device=dev)
-            mask = torch.arange(ctx.shape[1], device=dev)[None, :] < lens_t[:, None]
-            ctx = torch.where(mask, ctx, self.runner.dummy_slot)
-            mask = mask[:, None, None, :]
-        else:
-            ctx = torch.empty(0, 0, dtype=torch.long, device=dev)
-            mask = torch.empty(0, 1, 1, 0, dtype=torch.bool, device=dev)
-        as_t = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
-        return StepInput(as_t(ids), as_t(pos), as_t(slots), as_t(decode_rows), ctx, mask, prefills,
-                         as_t(logit_rows), self._short_prefills(short)), owners
-
-    def _short_prefills(self, short: list[tuple[int, int, int, Sequence]]) -> PrefillBatch | None:
-        """Pad short prefill chunks into one attention call (one SDPA per layer, not one each)."""
-        if not short:
-            return None
-        dev = self.runner.device
-        lq = max(n for _, n, _, _ in short)
-        lk = max(ctx for _, _, ctx, _ in short)
-        rows = torch.tensor([r for r, _, _, _ in short], device=dev)
-        ns = torch.tensor([n for _, n, _, _ in short], device=dev)
-        ctxs = torch.tensor([c for _, _, c, _ in short], device=dev)
-        qi = torch.arange(lq, device=dev)
-        q_valid = qi[None, :] < ns[:, None]  # [P, Lq]
-        q_index = torch.where(q_valid, rows[:, None] + qi[None, :], rows[:, None]).reshape(-1)
-        kj = torch.arange(lk, device=dev)
-        k_valid = kj[None, :] < ctxs[:, None]  # [P, Lk]
-        kv = self._context_slots([s for _, _, _, s in short], lk)
-        kv = torch.where(k_valid, kv, self.runner.dummy_slot).reshape(-1)
-        offset = (ctxs - ns)[:, None, None]
-        mask = (kj[None, None, :] <= offset + qi[None, :, None]) & k_valid[:, None, :]
-        mask[:, :, 0] |= ~q_valid  # padded queries attend somewhere, so no row is all -inf
-        q_valid = q_valid.reshape(-1)
-        return PrefillBatch(q_index, q_valid, q_index[q_valid], kv, mask[:, None], (len(short), lq, lk))
-
-    def _context_slots(self, seqs: list[Sequence], length: int) -> torch.Tensor:
-        """Slot ids of positions ``0..length-1`` for each sequence, ``[B, length]``."""
-        dev = self.runner.device
-        bs = self.blocks.block_size
-        nb = -(-length // bs)
-        table = torch.tensor([s.table.blocks[:nb] + [0] * (nb - len(s.table.blocks[:nb])) for s in seqs],
-                             dtype=torch.long, device=dev)
-        slots = table[:, :, None] * bs + torch.arange(bs, device=dev)[None, None, :]
-        return slots.reshape(len(seqs), nb * bs)[:, :length]
+        return build_step_input(plan, self.blocks.block_size, self.runner.device, self.runner.dummy_slot)
 
     def _row_spec(self, seq: Sequence) -> RowSpec:
         p = seq.request.params
