@@ -25,6 +25,16 @@ def _free_port_base() -> int:
     return int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000"))
 
 
+def wait_for(predicate, timeout=10.0, interval=0.05) -> bool:
+    """Poll until predicate() is true; False when the timeout passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
 def write_settings(tmp: Path, **overrides) -> Path:
     base = _free_port_base()
     data = json.loads((ROOT / "conf" / "config.json").read_text())
