@@ -17,6 +17,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import wait_for
+
 pytestmark = pytest.mark.e2e
 README = Path(__file__).resolve().parents[2] / "README.md"
 MODEL = "llm_unary"
@@ -154,6 +156,45 @@ def test_request_timeout_becomes_the_engine_deadline(stack):
         _http(stack).infer(MODEL, _inputs(httpclient, "Write a long essay", params), timeout=500_000)
     assert time.monotonic() - started < 30
     assert "[504]" in err.value.message() and err.value.status() == "503"
+
+
+def _wait_engine_idle(stack, timeout=10.0) -> bool:
+    return wait_for(lambda: stack.engine_metric("llm_num_requests_running") == 0
+                    and stack.engine_metric("llm_num_requests_waiting") == 0, timeout=timeout)
+
+
+LONG = {"max_tokens": 2000, "ignore_eos": True}
+
+
+def test_grpc_client_timeout_cancels_the_generation(stack):
+    """A gRPC deadline cancels the unary request, and the cancel reaches the engine."""
+    before = stack.engine_metric("llm_request_cancelled_total")
+    client = grpcclient.InferenceServerClient(stack.grpc_url)
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as err:
+        client.infer(MODEL, _inputs(grpcclient, "Write a long essay", LONG), client_timeout=2.0)
+    assert "Deadline" in str(err.value) or "DEADLINE" in str(err.value.status())
+    assert wait_for(lambda: stack.engine_metric("llm_request_cancelled_total") > before, timeout=10)
+    assert _wait_engine_idle(stack)
+    # 2000 tokens take minutes here; the engine stopped long before that
+    assert time.monotonic() - started < 20
+    result = client.infer(MODEL, _inputs(grpcclient, PROMPT, GREEDY))
+    assert "Paris" in result.as_numpy("text_output")[0][0].decode()
+
+
+def test_grpc_cancelled_async_infer_cancels_the_generation(stack):
+    client = grpcclient.InferenceServerClient(stack.grpc_url)
+    before = stack.engine_metric("llm_request_cancelled_total")
+    done: queue.Queue = queue.Queue()
+    calls = [client.async_infer(MODEL, _inputs(grpcclient, f"Essay {i}: the sea", LONG),
+                                callback=lambda result, error: done.put(error)) for i in range(4)]
+    assert wait_for(lambda: stack.engine_metric("llm_num_requests_running") == 4, timeout=20)
+    for call in calls:
+        call.cancel()
+    errors = [done.get(timeout=10) for _ in calls]
+    assert all(e is not None and "CANCELLED" in str(e.status()) for e in errors), errors
+    assert wait_for(lambda: stack.engine_metric("llm_request_cancelled_total") >= before + 4, timeout=10)
+    assert _wait_engine_idle(stack)
 
 
 def test_readme_http_example_runs(stack):

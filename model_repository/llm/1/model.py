@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from llm_engine import contract
 from llm_engine.config import load_settings
 from llm_engine.errors import EngineError, InvalidParameter
 from llm_engine.params import parse_sampling_parameters
@@ -56,6 +57,7 @@ class TritonPythonModel:
         device_id = self._device_id(args, settings)
         self.engine = build_engine(settings, device_id=device_id, metrics=self.metrics)
         self.max_n = settings.schedule.maxN
+        self._cancel_flags = contract.cancel_flag_dir()
         # One sender thread: the Python backend's response senders are not safe to use
         # from several threads at once (measured: concurrent send() crashed tritonserver).
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -100,11 +102,18 @@ class TritonPythonModel:
         req = Request(
             request_id=req_id, prompt_ids=prompt_ids, params=params, stream=stream,
             emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0)),
-            is_cancelled=sender.is_cancelled,
+            is_cancelled=self._cancel_check(req_id, sender),
         )
         self.engine.prepare(req)
         self.engine.submit(req)
         self.metrics.on_request(len(prompt_ids))
+
+    def _cancel_check(self, req_id: str, sender):
+        """The client's cancel, and for llm_unary's BLS calls also the flag file it creates."""
+        if not contract.CANCELLABLE_ID.fullmatch(req_id):
+            return sender.is_cancelled
+        flag = os.path.join(self._cancel_flags, req_id)
+        return lambda: sender.is_cancelled() or os.path.exists(flag)
 
     def _prompt_ids(self, request) -> list[int]:
         ids = pb_utils.get_input_tensor_by_name(request, "input_ids")

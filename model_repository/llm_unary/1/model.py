@@ -9,19 +9,27 @@ in the default mode since Triton 24.06). Requests therefore reach the one engine
 ``llm`` as soon as they arrive, whatever batch Triton put them in, and are batched there.
 
 Cancellation (Python backend 2.51 / r24.10): a request cancelled before its BLS call
-starts never reaches the engine. Once the BLS call runs it cannot be cancelled (the BLS
-response iterator has no ``cancel()`` before r25.04), so the engine finishes the
-sequence; Triton's request ``timeout`` (tritonclient ``infer(timeout=µs)``) is therefore
-passed to the engine as ``sampling_parameters.timeout``, which the engine enforces.
+starts never reaches the engine. A running BLS call cannot be cancelled directly (the
+BLS response iterator has no ``cancel()`` before r25.04), so a watcher thread polls the
+senders of running calls and, for a cancelled one, creates a flag file named after the
+call's request id (``llm_unary-<32 hex>``) in a folder of this tritonserver process;
+every ``llm`` instance checks that file for such requests at each engine step (a control
+request would reach just one of several instances). Triton's request ``timeout``
+(tritonclient ``infer(timeout=µs)``) is passed to the engine as
+``sampling_parameters.timeout``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import shutil
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +41,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 FORWARDED = ("text_input", "input_ids", "sampling_parameters")
 BLS_OUTPUTS = ["text_output", "index", "token_ids", "finish_reason", "prompt_tokens", "cached_tokens",
                "completion_tokens", "cumulative_logprob", "seed", "batch_size", "logprobs"]
+BLS_ID_PREFIX = "llm_unary-"  # + 32 hex digits: llm_engine.contract.CANCELLABLE_ID
+CANCEL_POLL_S = 0.1  # how often running calls are checked for cancellation
 READY_WAIT_S = 60.0  # how long a request waits for "llm" to be (re)loaded
 ENGINE_TIMEOUT_MAX_S = 65535.0  # sampling_parameters.timeout's upper bound
 _STATUS = re.compile(r"\[(\d{3})\] ")
@@ -69,6 +79,15 @@ class TritonPythonModel:
                          for i in range(workers)]
         for worker in self._workers:
             worker.start()
+        self._cancel_flags = _cancel_flag_dir()
+        _remove_stale_flag_dirs(self._cancel_flags)
+        os.makedirs(self._cancel_flags, mode=0o700, exist_ok=True)
+        self._running: dict[str, tuple[Any, str]] = {}  # BLS request id -> (caller's sender, its id)
+        self._running_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="llm-unary-cancel",
+                                         daemon=True)
+        self._watcher.start()
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -80,6 +99,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
+        self._stopped.set()
+        shutil.rmtree(self._cancel_flags, ignore_errors=True)
         for _ in self._workers:
             self._jobs.put(None)
 
@@ -120,8 +141,22 @@ class TritonPythonModel:
             return _error(f"[503] model '{TARGET}' is not ready")
         if sender.is_cancelled():  # cancelled while queued: the engine never sees it
             return _cancelled()
+        bls_id = f"{BLS_ID_PREFIX}{uuid.uuid4().hex}"
         bls = pb_utils.InferenceRequest(model_name=TARGET, inputs=job.inputs,
-                                        requested_output_names=BLS_OUTPUTS, request_id=job.request_id)
+                                        requested_output_names=BLS_OUTPUTS, request_id=bls_id)
+        with self._running_lock:
+            self._running[bls_id] = (sender, job.request_id)
+        try:
+            return self._gather(job, bls, sender)
+        finally:
+            with self._running_lock:
+                self._running.pop(bls_id, None)
+            try:
+                os.unlink(os.path.join(self._cancel_flags, bls_id))
+            except FileNotFoundError:
+                pass
+
+    def _gather(self, job: _Job, bls, sender) -> Any:
         seqs: dict[int, _Sequence] = {}
         meta = {"prompt_tokens": 0, "cached_tokens": 0, "seed": 0, "max_step_batch_size": 0}
         for response in bls.exec(decoupled=True):
@@ -145,8 +180,6 @@ class TritonPythonModel:
                 meta[name] = int(out[name][0])
             meta["max_step_batch_size"] = max(meta["max_step_batch_size"], *map(int, out["batch_size"]), 0)
         if sender.is_cancelled():
-            pb_utils.Logger.log_warn(f"llm_unary: request {job.request_id!r} was cancelled; its generation "
-                                     "ran to its end (a BLS call cannot be cancelled in this Triton)")
             return _cancelled()
         if not seqs:
             return _error(f"[500] model '{TARGET}' returned no sequence")
@@ -155,6 +188,26 @@ class TritonPythonModel:
             best = sorted(chosen, key=lambda kv: kv[1].cumulative_logprob, reverse=True)[: job.keep]
             chosen = sorted(best, key=lambda kv: kv[0])
         return _response(chosen, meta, job.wanted)
+
+    # -- cancellation of running calls --------------------------------------------------
+    def _watch_cancellations(self) -> None:
+        cancelled: set[str] = set()  # acknowledged by llm
+        while not self._stopped.wait(CANCEL_POLL_S):
+            with self._running_lock:
+                running = list(self._running.items())
+            cancelled &= {bls_id for bls_id, _ in running}
+            for bls_id, (sender, request_id) in running:
+                if bls_id in cancelled:
+                    continue
+                try:
+                    if sender.is_cancelled():
+                        with open(os.path.join(self._cancel_flags, bls_id), "w"):
+                            pass
+                        cancelled.add(bls_id)
+                        pb_utils.Logger.log_info(f"llm_unary: request {request_id!r} was cancelled by its "
+                                                 f"client; stopping its generation {bls_id}")
+                except Exception as exc:  # keep watching the others
+                    pb_utils.Logger.log_warn(f"llm_unary: cancelling {bls_id} failed: {exc}")
 
     def _wait_for_llm(self, sender) -> bool:
         """Triton loads every model at once; a BLS call to a model still loading fails."""
@@ -167,6 +220,22 @@ class TritonPythonModel:
                 return False
             time.sleep(0.5)
         return True
+
+
+def _cancel_flag_dir() -> str:
+    """The same folder as llm_engine.contract.cancel_flag_dir(): one per tritonserver process."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"mindie-triton-cancel-{os.getppid()}")
+
+
+def _remove_stale_flag_dirs(mine: str) -> None:
+    """Folders of tritonserver processes that died without finalize()."""
+    parent, name = os.path.split(mine)
+    prefix = name.rsplit("-", 1)[0] + "-"
+    for entry in os.listdir(parent):
+        pid = entry.removeprefix(prefix)
+        if entry.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def _scalar(tensors: list, name: str) -> Any:

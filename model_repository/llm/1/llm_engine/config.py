@@ -42,6 +42,8 @@ class ServerSection(_Section):
     apiKey: Optional[str] = None
     maxStopCount: int = Field(64, ge=1, description="most stop strings in one request")
     drainTimeout: float = Field(30.0, ge=0, description="seconds in-flight streams get on SIGTERM")
+    streamWriteTimeout: float = Field(
+        30.0, gt=0, description="seconds one SSE write may wait on a client that stopped reading")
 
 
 class ModelSection(_Section):

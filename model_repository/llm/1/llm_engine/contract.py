@@ -8,6 +8,9 @@ Shapes below exclude the leading batch dimension (``max_batch_size`` > 0).
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 from dataclasses import dataclass
 
 
@@ -41,6 +44,17 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("queue_wait_us", "INT64", (-1,), doc="per step: µs waited before the step ran"),
     Tensor("logprobs", "BYTES", (1,), doc="JSON list of {token, logprob, top:[[token, logprob]...]} or ''"),
 )
+
+# llm_unary names its BLS calls llm_unary-<32 hex digits>. A BLS call cannot be cancelled in
+# this Triton, so llm_unary cancels one by creating a file of that name in cancel_flag_dir().
+CANCELLABLE_ID = re.compile(r"llm_unary-[0-9a-f]{32}")
+
+
+def cancel_flag_dir() -> str:
+    """One folder per tritonserver process (the parent of every Python stub)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"mindie-triton-cancel-{os.getppid()}")
+
 
 FINISH_STOP = "stop"  # EOS, stop string or stop token id
 FINISH_LENGTH = "length"  # max tokens, maxIterTimes, maxSeqLen, max_position_embeddings
