@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import time
 
 import uvicorn
@@ -21,6 +22,10 @@ from adapter.app import create_app
 log = logging.getLogger("adapter")
 
 MAX_HEADER_BYTES = 16 * 1024  # h11 rejects a request whose head (all headers) is larger
+# Kernel send buffer of every connection. Left to autotuning it grows to tcp_wmem's maximum
+# (MiBs) for a client that stops reading; fixed, a stalled stream blocks soon, and after
+# streamWriteTimeout the adapter cancels it. Token streams need only a few KiB/s.
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 class DrainingServer(uvicorn.Server):
@@ -65,7 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, http="h11",
         limit_concurrency=srv.maxLinkNum * 3, timeout_graceful_shutdown=5, **ssl,
     )
-    DrainingServer(config, app.state.admission, srv.drainTimeout).run()
+    sock = config.bind_socket()  # accepted connections inherit these options
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    # a peer that acknowledges nothing (or keeps a zero window) this long is disconnected by
+    # the kernel; this frees the connection of a stalled stream that the adapter gave up on
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(srv.streamWriteTimeout * 1000))
+    DrainingServer(config, app.state.admission, srv.drainTimeout).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from adapter import completions, infer
 from adapter.errors import MindIEError, error_body
 from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
-from adapter.metrics import REGISTRY, MetricsMiddleware
+from adapter.metrics import REGISTRY, TASKS, MetricsMiddleware
 from adapter.service import ClientGone, Service
 from adapter.triton import TritonClient
 
@@ -102,6 +103,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():
+        TASKS.set(len(asyncio.all_tasks()))
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     srv = settings.server

@@ -75,10 +75,10 @@ async def completions(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_completion_request)
     if plan.stream and not plan.sampling.get("use_beam_search"):
-        return sse_response(_stream(svc, plan, req_id), req_id)
+        return sse_response(_stream(svc, plan, req_id), req_id, svc.write_timeout)
     body = await until_disconnect(request, _collect(svc, plan, req_id))
     if plan.stream:  # beam search: a pseudo-stream with one event
-        return sse_response(_once(body), req_id)
+        return sse_response(_once(body), req_id, svc.write_timeout)
     return json_response(body)
 
 

@@ -41,7 +41,7 @@ async def infer(request: Request):
     plan, req_id = await svc.begin(request, parse_infer_request)
     timeout = plan.sampling.get("timeout")
     if plan.stream:
-        return sse_response(_stream(svc, plan, req_id, timeout), req_id)
+        return sse_response(_stream(svc, plan, req_id, timeout), req_id, svc.write_timeout)
     return json_response(await until_disconnect(request, _collect(svc, plan, req_id, timeout)))
 
 

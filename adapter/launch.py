@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.restarts = 0
         self.stubs: list[int] = []
+        self.shm_prefix = ""
 
     # -- processes ------------------------------------------------------------------
     def _triton_ready(self) -> bool:
@@ -106,7 +108,8 @@ class Supervisor:
 
     def start_triton(self, timeout: float = 600) -> None:
         self._check_ports()
-        cmd = triton_command(self.paths, self.settings, self.model_repository)
+        self.shm_prefix = f"mindie_triton_{os.getpid()}_{self.restarts}_"
+        cmd = triton_command(self.paths, self.settings, self.model_repository, shm_prefix=self.shm_prefix)
         log.info("starting tritonserver (model %s)", self.settings.triton.modelName)
         self.triton = subprocess.Popen(cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
@@ -210,6 +213,26 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.stubs = []
+        if self.triton is not None:
+            remove_shm_leftovers(self.shm_prefix, self.triton.pid)
+
+
+def remove_shm_leftovers(prefix: str, triton_pid: int, shm: Path = Path("/dev/shm")) -> list[str]:
+    """Remove what a stopped tritonserver left in /dev/shm: Python backend regions that a
+    killed stub or an exit-timeout could not unlink, and llm_unary's cancel-flag folder."""
+    removed = []
+    if not shm.is_dir():
+        return removed
+    for entry in shm.iterdir():
+        if (prefix and entry.name.startswith(prefix)) or entry.name == f"mindie-triton-cancel-{triton_pid}":
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    if removed:
+        log.info("removed %d leftover /dev/shm entries of tritonserver %d", len(removed), triton_pid)
+    return removed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REGISTRY = CollectorRegistry()
@@ -18,6 +18,10 @@ LATENCY = Histogram("mindie_adapter_request_latency_seconds", "request latency t
                     ["route"], buckets=BUCKETS, registry=REGISTRY)
 TTFT = Histogram("mindie_adapter_time_to_first_token_seconds", "request arrival to the first streamed event",
                  ["route"], buckets=BUCKETS, registry=REGISTRY)
+
+# Leak watch: tasks of the event loop (set at each scrape), and process_open_fds / _resident_memory_bytes.
+TASKS = Gauge("mindie_adapter_asyncio_tasks", "asyncio tasks alive in the event loop", registry=REGISTRY)
+ProcessCollector(registry=REGISTRY)
 
 ROUTES = ("/v1/completions", "/infer")
 

@@ -65,6 +65,7 @@ class Service:
         self.started = int(time.time())
         self._ids = itertools.count()
         self.stopping = False
+        self.write_timeout = settings.server.streamWriteTimeout
 
     # -- per request -------------------------------------------------------------------
     def request_id(self, request: Request) -> str:
@@ -166,8 +167,43 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
-def sse_response(events: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
-    return StreamingResponse(guard_stream(events, request_id), media_type="text/event-stream")
+def sse_response(events: AsyncIterator[bytes], request_id: str, write_timeout: float) -> StreamingResponse:
+    return BoundedStreamingResponse(guard_stream(events, request_id), request_id, write_timeout)
+
+
+class SlowReader(Exception):
+    """The client stopped reading a stream: a write waited longer than the write timeout."""
+
+
+class BoundedStreamingResponse(StreamingResponse):
+    """An SSE response that gives up on a client that stops reading.
+
+    What a stream holds in memory is bounded by uvicorn's write buffer (it pauses the
+    writer at 64 KiB) plus the socket buffers, because events are produced only as they
+    are written. A client that stops reading would still keep its generation running and
+    pile responses up in Triton; so when one write waits longer than ``write_timeout``
+    the Triton call is cancelled (the body iterator is closed) and the connection is
+    dropped.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], request_id: str, write_timeout: float):
+        super().__init__(events, media_type="text/event-stream")
+        self.request_id = request_id
+        self.write_timeout = write_timeout
+
+    async def stream_response(self, send) -> None:
+        async def bounded_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout)
+            except TimeoutError:
+                log.warning("stream %s: the client read nothing for %.0fs; cancelling it",
+                            self.request_id, self.write_timeout)
+                raise SlowReader(self.request_id) from None
+
+        try:
+            await super().stream_response(bounded_send)
+        finally:
+            await self.body_iterator.aclose()  # cancels the Triton call at once
 
 
 def json_response(body: dict) -> Response:

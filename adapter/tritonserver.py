@@ -78,9 +78,14 @@ def triton_env(paths: TritonPaths, config_path: Path) -> dict[str, str]:
 
 
 def triton_command(
-    paths: TritonPaths, settings, model_repository: Path, admin_key: str | None = None
+    paths: TritonPaths, settings, model_repository: Path, admin_key: str | None = None,
+    shm_prefix: str | None = None,
 ) -> list[str]:
-    """The tritonserver command line: loopback by default, admin APIs behind a random key."""
+    """The tritonserver command line: loopback by default, admin APIs behind a random key.
+
+    ``shm_prefix`` names the Python backend's /dev/shm regions of this run, so that the
+    supervisor can remove them when a stub or tritonserver dies without unlinking them.
+    """
     t = settings.triton
     key = admin_key or secrets.token_hex(16)
     return [
@@ -101,5 +106,6 @@ def triton_command(
         f"--grpc-restricted-protocol={RESTRICTED_APIS}:mindie-admin-key={key}",
         # each running BLS call of llm_unary holds a backend thread until its generation ends
         f"--backend-config=python,thread-pool-size={PYTHON_BACKEND_THREADS}",
+        *([f"--backend-config=python,shm-region-prefix-name={shm_prefix}"] if shm_prefix else []),
         "--log-info=true",
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import ssl
 import threading
@@ -92,20 +94,99 @@ def test_non_stream_disconnect_cancels_in_engine(stack):
     assert wait_for(lambda: stack.engine_metric("llm_request_cancelled_total") > before, timeout=10)
 
 
-def test_many_disconnects_leave_nothing_running(stack, client):
-    def one():
-        try:
-            with httpx.Client(base_url=stack.url, timeout=30) as c, c.stream(
-                    "POST", "/v1/completions", json=dict(GOOD, max_tokens=200, ignore_eos=True, stream=True)) as r:
-                next(r.iter_lines())
-        except httpx.HTTPError:
-            pass
+def _metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
-    for _ in range(20):
-        one()
-    assert wait_for(lambda: stack.engine_metric("llm_num_requests_running") == 0
-                    and stack.engine_metric("llm_num_requests_waiting") == 0, timeout=15)
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _hang_up(url: str, body: dict, after: str) -> None:
+    """Send a request on a raw socket and close it: at once, after the first event, or mid-wait."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        if after == "first-event":
+            seen = b""
+            while b"data: " not in seen:
+                seen += s.recv(4096)
+        elif after == "a-moment":
+            time.sleep(0.3)
+
+
+def test_many_disconnects_leave_nothing_behind(stack, client):
+    """100 clients hang up (before prefill ends, after a token, while a non-stream call waits):
+    no sequence, Triton request, KV block, asyncio task, fd or /dev/shm entry is left over."""
+    adapter_metrics = stack.url + "/metrics"
+    adapter_pid, triton_pid = stack.sup.adapter.pid, stack.sup.triton.pid
+    client.post("/v1/completions", json=GOOD)  # warm: connections to Triton exist before the baseline
+    before_cancelled = stack.engine_metric("llm_request_cancelled_total")
+    tasks, fds = _metric(adapter_metrics, "mindie_adapter_asyncio_tasks"), (_fds(adapter_pid), _fds(triton_pid))
+    shm = set(os.listdir("/dev/shm"))
+    long_prompt = "Tell me about the sea and its waves. " * 120  # ~1000 tokens: a long prefill
+    kinds = [
+        (dict(GOOD, prompt=long_prompt, max_tokens=200, ignore_eos=True, stream=True), "now"),
+        (dict(GOOD, prompt="Tell a long story", max_tokens=200, ignore_eos=True, stream=True), "first-event"),
+        (dict(GOOD, prompt="Write a long essay", max_tokens=200, ignore_eos=True), "a-moment"),
+    ]
+    for i in range(100):
+        body, after = kinds[i % 3]
+        _hang_up(stack.url, body, after)
+
+    def settled():
+        return (stack.engine_metric("llm_num_requests_running") == 0
+                and stack.engine_metric("llm_num_requests_waiting") == 0
+                and stack.engine_metric("llm_kv_cache_usage_perc") == 0
+                and stack.engine_metric("nv_inference_pending_request_count") == 0
+                and _metric(adapter_metrics, "mindie_adapter_requests_in_flight") == 0)
+
+    assert "nv_inference_pending_request_count{" in httpx.get(stack.metrics_url).text
+    assert wait_for(settled, timeout=30)
+    # each hang-up that reached the engine was cancelled there, not generated to the end
+    assert stack.engine_metric("llm_request_cancelled_total") - before_cancelled >= 60
+    assert wait_for(lambda: _metric(adapter_metrics, "mindie_adapter_asyncio_tasks") <= tasks, timeout=10)
+    assert wait_for(lambda: _fds(adapter_pid) <= fds[0] + 2 and _fds(triton_pid) <= fds[1] + 2, timeout=10), \
+        (fds, _fds(adapter_pid), _fds(triton_pid))
+    assert set(os.listdir("/dev/shm")) == shm
     assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_slow_reader_is_cancelled_with_a_bounded_buffer(stack, adapter_with):
+    """A client that stops reading: the server buffers a bounded amount, then cancels and hangs up."""
+    a = adapter_with(streamWriteTimeout=2)
+    a.wait()
+    before = stack.engine_metric("llm_request_cancelled_total")
+    body = json.dumps(dict(GOOD, prompt="Tell me a story", max_tokens=500, ignore_eos=True, stream=True,
+                           n=8, best_of=8, temperature=1.0, logprobs=5)).encode()
+    host, port = a.url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, and nobody reads it
+        s.connect((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        started = time.monotonic()
+        assert wait_for(lambda: stack.engine_metric("llm_request_cancelled_total") >= before + 8, timeout=120)
+        cancelled_after = time.monotonic() - started
+        s.settimeout(10)
+        received = 0
+        try:
+            while data := s.recv(65536):  # what was buffered, then the server's close
+                received += len(data)
+        except ConnectionResetError:  # or the kernel's abort of a peer that acknowledged nothing
+            pass
+    # 8 x 500 events of ~1 KB would be ~4 MB; the stream stopped with far less in flight
+    assert received < 1_500_000, received
+    assert cancelled_after < 60
+    assert wait_for(lambda: stack.engine_metric("llm_num_requests_running") == 0, timeout=10)
+    with httpx.Client(base_url=a.url, timeout=60) as c:
+        assert c.post("/v1/completions", json=GOOD).status_code == 200
 
 
 def test_prompt_too_long_is_424(client):

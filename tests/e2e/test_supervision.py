@@ -63,6 +63,8 @@ def test_stub_crash_ends_streams_with_an_error_and_recovers(launched):
     (triton,) = [p for p in child_pids(proc.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read()]
     # the stub of `llm` (`llm_unary` has its own)
     (stub,) = [p for p in child_pids(triton) if "/llm/1/model.py" in open(f"/proc/{p}/cmdline").read()]
+    first_run = f"mindie_triton_{proc.pid}_0_"  # the launcher's shm prefix for its first tritonserver
+    assert [e for e in os.listdir("/dev/shm") if e.startswith(first_run)]
     events: list[str] = []
 
     def stream():
@@ -90,6 +92,8 @@ def test_stub_crash_ends_streams_with_an_error_and_recovers(launched):
             break
         time.sleep(0.2)
     assert seen_unready and ready(url) == 200
+    # the killed stub could not unlink its shared memory; the launcher removed it
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(first_run)]
     r = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
 
