@@ -13,11 +13,11 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from llm_engine.errors import parse_error
+from llm_engine.sequence import StepOutput
 from tritonclient.grpc.aio import InferenceServerClient, InferInput
 from tritonclient.utils import InferenceServerException
 
@@ -25,23 +25,9 @@ log = logging.getLogger(__name__)
 STUB_RECOVERY_SECONDS = 15.0  # report not-ready this long after an unhealthy-stub error
 
 
-@dataclass
-class Chunk:
-    """One response of the ``llm`` model (see ``llm_engine.contract``)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    cumulative_logprob: float
-    seed: int
-    batch_size: list[int]
-    queue_wait_us: list[int]
-    logprobs: list[dict] | None
-    final: bool
+# One response of the ``llm`` model: the wire carries exactly the engine's StepOutput
+# fields (``llm_engine.contract``), so the adapter reads responses into that type.
+Chunk = StepOutput
 
 
 class TritonError(Exception):
