@@ -18,10 +18,12 @@ import grpc
 import numpy as np
 from llm_engine.errors import parse_error
 from llm_engine.sequence import StepOutput
-from tritonclient.grpc.aio import InferenceServerClient, InferInput
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
+from tritonclient.grpc.aio import InferenceServerClient, InferInput, KeepAliveOptions
 from tritonclient.utils import InferenceServerException
 
 log = logging.getLogger(__name__)
+RECONNECT_BACKOFF_MS = (250, 2000)  # first and longest wait between reconnection attempts
 STUB_RECOVERY_SECONDS = 15.0  # report not-ready this long after an unhealthy-stub error
 
 
@@ -80,6 +82,23 @@ def _chunk(result) -> Chunk:
     )
 
 
+def _channel_args() -> list[tuple[str, int]]:
+    """tritonclient's defaults, plus a short reconnect backoff: gRPC's default grows to two
+    minutes during a long outage, which would keep the adapter failing after Triton is back."""
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+    ]
+
+
 class TritonClient:
     def __init__(self, url: str, model: str):
         self.url = url
@@ -90,7 +109,7 @@ class TritonClient:
 
     def _get(self) -> InferenceServerClient:
         if self._client is None:
-            self._client = InferenceServerClient(self.url)
+            self._client = InferenceServerClient(self.url, channel_args=_channel_args())
         return self._client
 
     async def close(self) -> None:

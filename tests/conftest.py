@@ -137,9 +137,10 @@ def tokenizer(model_dir):
 
 
 class Adapter:
-    def __init__(self, stack, tmp_path, **server):
+    def __init__(self, stack, tmp_path, triton: dict | None = None, **server):
         cfg = json.loads(stack.sup.config_path.read_text())
         cfg["ServerConfig"].update(server)
+        cfg["TritonConfig"].update(triton or {})
         cfg["ServerConfig"]["port"] = stack.settings.server.port + 1
         path = tmp_path / "adapter.json"
         path.write_text(json.dumps(cfg))
@@ -171,8 +172,8 @@ class Adapter:
 def adapter_with(stack, tmp_path):
     started = []
 
-    def start(**server):
-        a = Adapter(stack, tmp_path, **server)
+    def start(triton: dict | None = None, **server):
+        a = Adapter(stack, tmp_path, triton, **server)
         started.append(a)
         return a
 
