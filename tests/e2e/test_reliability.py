@@ -58,11 +58,26 @@ def test_chunked_body_over_limit_is_413(stack, client):
     assert client.post("/v1/completions", json=GOOD).status_code == 200
 
 
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
 def test_oversized_headers_are_rejected(stack, client):
-    head = ("GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + "".join(
+    big = ("GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + "".join(
         f"X-Filler-{i}: {'a' * 100}\r\n" for i in range(400)) + "\r\n").encode()
-    reply = raw_http(stack.url, head)
-    assert reply.split(b" ")[1] in (b"400", b"431"), reply[:80]
+    many = ("GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + "".join(
+        f"h{i}: v\r\n" for i in range(4000)) + "\r\n").encode()
+    for head in (big, many):
+        reply = raw_http(stack.url, head)
+        assert reply.split(b" ")[1] in (b"400", b"431"), reply[:80]
+    rss = _rss_kib(stack.sup.adapter.pid)
+    for _ in range(150):
+        raw_http(stack.url, big)
+        raw_http(stack.url, many)
+    assert _rss_kib(stack.sup.adapter.pid) - rss < 20 * 1024  # memory stays flat
     assert client.get("/v2/health/live").status_code == 200
 
 
