@@ -30,6 +30,7 @@ from .sequence import Request, Sequence, Status, StepOutput
 from .stopping import StopChecker
 
 log = logging.getLogger(__name__)
+SLOW_STEP_SECONDS = 1.0  # a step slower than this is logged with what it ran
 
 
 @dataclass
@@ -191,11 +192,17 @@ class Engine:
             return
         self.steps += 1
         self.last_batch_size = plan.num_sequences
+        t_forward = time.monotonic()
         self._postprocess(plan, owners, result, now)
         if beam_rows:
             self._beam_postprocess(beam_seqs, beam_lp)
         if self.metrics:
             self.metrics.on_step(self)
+        done = time.monotonic()
+        if done - now > SLOW_STEP_SECONDS:
+            prefill = [it.num_tokens for it in plan.items if it.num_tokens > 1]
+            log.warning("slow engine step: %.2fs (forward+sample %.2fs) for %d sequences, %d prefill chunks "
+                        "of %d tokens", done - now, t_forward - now, plan.num_sequences, len(prefill), sum(prefill))
 
     def _step_failed(self, plan: Plan, exc: Exception, advanced: bool) -> None:
         """Fail the requests most likely to have caused a failed step; the others retry it.
