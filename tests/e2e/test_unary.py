@@ -8,6 +8,7 @@ import json
 import queue
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -195,6 +196,22 @@ def test_grpc_cancelled_async_infer_cancels_the_generation(stack):
     assert all(e is not None and "CANCELLED" in str(e.status()) for e in errors), errors
     assert wait_for(lambda: stack.engine_metric("llm_request_cancelled_total") >= before + 4, timeout=10)
     assert _wait_engine_idle(stack)
+
+
+@pytest.mark.slow
+def test_many_short_concurrent_calls_keep_triton_up(stack):
+    """The cancellation watcher polls the senders of running calls; one queried after its
+    final response crashed tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled)
+    within a few hundred short concurrent calls, before the watcher and the senders shared a lock."""
+    def call(i):
+        params = {"max_tokens": 1 + i % 3, "ignore_eos": True}
+        result = _http(stack).infer(MODEL, _inputs(httpclient, f"Hi {i}", params))
+        return int(result.as_numpy("completion_tokens")[0][0])
+
+    with ThreadPoolExecutor(16) as pool:
+        tokens = list(pool.map(call, range(600)))
+    assert tokens == [1 + i % 3 for i in range(600)]
+    assert stack.sup.triton.poll() is None
 
 
 def test_readme_http_example_runs(stack):

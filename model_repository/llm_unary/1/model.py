@@ -191,23 +191,31 @@ class TritonPythonModel:
 
     # -- cancellation of running calls --------------------------------------------------
     def _watch_cancellations(self) -> None:
-        cancelled: set[str] = set()  # acknowledged by llm
+        # The scan holds _running_lock: a worker takes its call out of _running (under the
+        # lock) before it sends the response, and a sender must never be queried once its
+        # final response is sent (measured: is_cancelled() on a finished request crashed
+        # tritonserver in TRITONBACKEND_ResponseFactoryIsCancelled).
+        flagged: set[str] = set()
         while not self._stopped.wait(CANCEL_POLL_S):
             with self._running_lock:
-                running = list(self._running.items())
-            cancelled &= {bls_id for bls_id, _ in running}
-            for bls_id, (sender, request_id) in running:
-                if bls_id in cancelled:
-                    continue
-                try:
-                    if sender.is_cancelled():
-                        with open(os.path.join(self._cancel_flags, bls_id), "w"):
-                            pass
-                        cancelled.add(bls_id)
+                flagged &= self._running.keys()
+                for bls_id, (sender, request_id) in self._running.items():
+                    if bls_id not in flagged and self._cancelled(sender, bls_id):
+                        flagged.add(bls_id)
                         pb_utils.Logger.log_info(f"llm_unary: request {request_id!r} was cancelled by its "
                                                  f"client; stopping its generation {bls_id}")
-                except Exception as exc:  # keep watching the others
-                    pb_utils.Logger.log_warn(f"llm_unary: cancelling {bls_id} failed: {exc}")
+
+    def _cancelled(self, sender, bls_id: str) -> bool:
+        """Whether the caller cancelled; if so, raise the flag ``llm`` checks at each step."""
+        try:
+            if not sender.is_cancelled():
+                return False
+            with open(os.path.join(self._cancel_flags, bls_id), "w"):
+                pass
+            return True
+        except Exception as exc:  # keep watching the others
+            pb_utils.Logger.log_warn(f"llm_unary: cancelling {bls_id} failed: {exc}")
+            return False
 
     def _wait_for_llm(self, sender) -> bool:
         """Triton loads every model at once; a BLS call to a model still loading fails."""
