@@ -51,6 +51,12 @@ def launched(tmp_path, monkeypatch):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def alive(pid: int) -> bool:
+    from adapter.launch import alive as is_alive
+
+    return is_alive(pid)
+
+
 def ready(url: str) -> int:
     try:
         return httpx.get(url + "/v2/health/ready", timeout=2).status_code
@@ -126,3 +132,17 @@ def test_sigterm_drains_in_flight_then_exits(launched):
     t.join(60)
     assert result == {"status": 200, "tokens": 40}
     assert proc.wait(60) == 0
+
+
+def test_a_killed_launcher_takes_triton_and_its_stubs_along(launched):
+    """SIGKILL leaves no cleanup to the launcher: tritonserver dies with it (PR_SET_PDEATHSIG)
+    and the model's stub, which Triton never tells, exits when its parent is gone."""
+    proc, _url = launched
+    (triton,) = [p for p in child_pids(proc.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read()]
+    (stub,) = [p for p in child_pids(triton) if "/llm/1/model.py" in open(f"/proc/{p}/cmdline").read()]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (alive(triton) or alive(stub)):
+        time.sleep(0.2)
+    assert not alive(triton) and not alive(stub)

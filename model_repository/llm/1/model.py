@@ -65,6 +65,8 @@ class TritonPythonModel:
         self._sender.start()
         self.metrics.start(self.engine)
         self.engine.start()
+        threading.Thread(target=_exit_with_tritonserver, args=(os.getppid(),), name="llm-parent-watch",
+                         daemon=True).start()
 
     @staticmethod
     def _device_id(args: dict, settings) -> int:
@@ -161,6 +163,16 @@ class TritonPythonModel:
         self.metrics.stop()
         self._outbox.put(None)
         self._sender.join(timeout=10)
+
+
+def _exit_with_tritonserver(parent: int) -> None:
+    """Leave as soon as tritonserver is gone. Seen once on the development machine: this
+    stub still alive, holding the weights and KV cache, an hour after its tritonserver
+    had been stopped with its launcher (not reproduced since)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    log.error("tritonserver (pid %d) is gone; exiting", parent)
+    os._exit(1)
 
 
 def _scalar(request, name: str):
