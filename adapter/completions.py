@@ -15,7 +15,6 @@ from adapter.service import (
     Service,
     body_schema,
     json_response,
-    sse_response,
     until_disconnect,
 )
 from adapter.sse import DONE, event
@@ -75,10 +74,10 @@ async def completions(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_completion_request)
     if plan.stream and not plan.sampling.get("use_beam_search"):
-        return sse_response(_stream(svc, plan, req_id), req_id, svc.write_timeout)
+        return svc.sse_response(_stream(svc, plan, req_id), req_id)
     body = await until_disconnect(request, _collect(svc, plan, req_id))
     if plan.stream:  # beam search: a pseudo-stream with one event
-        return sse_response(_once(body), req_id, svc.write_timeout)
+        return svc.sse_response(_once(body), req_id)
     return json_response(body)
 
 

@@ -15,7 +15,6 @@ from adapter.service import (
     Service,
     body_schema,
     json_response,
-    sse_response,
     until_disconnect,
 )
 from adapter.sse import event
@@ -41,7 +40,7 @@ async def infer(request: Request):
     plan, req_id = await svc.begin(request, parse_infer_request)
     timeout = plan.sampling.get("timeout")
     if plan.stream:
-        return sse_response(_stream(svc, plan, req_id, timeout), req_id, svc.write_timeout)
+        return svc.sse_response(_stream(svc, plan, req_id, timeout), req_id)
     return json_response(await until_disconnect(request, _collect(svc, plan, req_id, timeout)))
 
 

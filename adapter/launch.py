@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 from llm_engine.config import CONFIG_ENV, default_config_path, load_settings
+from llm_engine.contract import CANCEL_FLAG_DIR_PREFIX
 from llm_engine.weights import resolve_model_dir
 
 from adapter.tritonserver import REPO_ROOT, prepare_backend, triton_command, triton_env
@@ -224,7 +225,7 @@ def remove_shm_leftovers(prefix: str, triton_pid: int, shm: Path = Path("/dev/sh
     if not shm.is_dir():
         return removed
     for entry in shm.iterdir():
-        if (prefix and entry.name.startswith(prefix)) or entry.name == f"mindie-triton-cancel-{triton_pid}":
+        if (prefix and entry.name.startswith(prefix)) or entry.name == f"{CANCEL_FLAG_DIR_PREFIX}{triton_pid}":
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

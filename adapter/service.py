@@ -65,12 +65,16 @@ class Service:
         self.started = int(time.time())
         self._ids = itertools.count()
         self.stopping = False
-        self.write_timeout = settings.server.streamWriteTimeout
 
     # -- per request -------------------------------------------------------------------
     def request_id(self, request: Request) -> str:
         given = request.headers.get("req-id")
         return given if given else f"endpoint_common_{next(self._ids)}"
+
+    def sse_response(self, events: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+        """An SSE answer: MindIE's error framing once started, and the slow-reader bound."""
+        return BoundedStreamingResponse(guard_stream(events, request_id), request_id,
+                                        self.settings.server.streamWriteTimeout)
 
     async def begin(self, request: Request, parser: Callable) -> tuple[GenerationPlan, str]:
         """Read and validate a request body; return its plan and its request id."""
@@ -167,8 +171,6 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
-def sse_response(events: AsyncIterator[bytes], request_id: str, write_timeout: float) -> StreamingResponse:
-    return BoundedStreamingResponse(guard_stream(events, request_id), request_id, write_timeout)
 
 
 class SlowReader(Exception):

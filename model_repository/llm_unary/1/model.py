@@ -231,7 +231,7 @@ class TritonPythonModel:
 
 
 def _cancel_flag_dir() -> str:
-    """The same folder as llm_engine.contract.cancel_flag_dir(): one per tritonserver process."""
+    """llm_engine.contract.cancel_flag_dir() (this model cannot import it): one per tritonserver."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"mindie-triton-cancel-{os.getppid()}")
 

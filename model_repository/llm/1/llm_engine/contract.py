@@ -50,10 +50,13 @@ OUTPUTS: tuple[Tensor, ...] = (
 CANCELLABLE_ID = re.compile(r"llm_unary-[0-9a-f]{32}")
 
 
+CANCEL_FLAG_DIR_PREFIX = "mindie-triton-cancel-"  # + the tritonserver pid
+
+
 def cancel_flag_dir() -> str:
     """One folder per tritonserver process (the parent of every Python stub)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"mindie-triton-cancel-{os.getppid()}")
+    return os.path.join(base, f"{CANCEL_FLAG_DIR_PREFIX}{os.getppid()}")
 
 
 FINISH_STOP = "stop"  # EOS, stop string or stop token id
