@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import beam as beam_search
 from . import contract
 from .batch import build_step_input
+from .beam_steps import BeamSteps
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineError, EnqueueRejected, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
@@ -61,6 +61,7 @@ class Engine:
         self.steps = 0
         self.last_batch_size = 0
         self.dropped: list[str] = []  # ids of requests ended by cancellation (bounded)
+        self._beams = BeamSteps(self)
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -195,7 +196,7 @@ class Engine:
         t_forward = time.monotonic()
         self._postprocess(plan, owners, result, now)
         if beam_rows:
-            self._beam_postprocess(beam_seqs, beam_lp)
+            self._beams.advance(beam_seqs, beam_lp)
         if self.metrics:
             self.metrics.on_step(self)
         done = time.monotonic()
@@ -295,94 +296,6 @@ class Engine:
                     expanded.append(child)
                     rows.append(row)
         return expanded, rows
-
-    # -- beam search ------------------------------------------------------------------
-    def _beam_postprocess(self, seqs: list[Sequence], logprobs: torch.Tensor) -> None:
-        by_req: dict[int, list[int]] = {}
-        for row, seq in enumerate(seqs):
-            by_req.setdefault(id(seq.request), []).append(row)
-        for rows in by_req.values():
-            req = seqs[rows[0]].request
-            if not req.done:
-                self._beam_step(req, [seqs[r] for r in rows], logprobs[rows])
-
-    def _beam_step(self, req: Request, beams: list[Sequence], logprobs: torch.Tensor) -> None:
-        width = req.params.n
-        for beam in beams:
-            self.blocks.register_prompt_blocks(beam.table, beam.token_ids, min(beam.num_computed, req.prompt_len))
-        stop_ids = beams[0].stopper.stop_ids | beams[0].stopper.eos_ids
-        live, ended = beam_search.select(logprobs, [b.cumulative_logprob for b in beams], width, stop_ids)
-        for c in ended:
-            parent = beams[c.parent]
-            req.hypotheses.append(beam_search.Hypothesis(
-                parent.output_ids + [c.token], parent.token_logprobs + [c.logprob], c.score,
-                contract.FINISH_STOP))
-        targets: list[Sequence] = []
-        used: set[int] = set()
-        for c in live:  # fork every extra child before any parent takes its own token
-            parent = beams[c.parent]
-            if id(parent) in used:
-                targets.append(self._fork_beam(parent))
-            else:
-                used.add(id(parent))
-                targets.append(parent)
-        for beam in beams:
-            if id(beam) not in used:
-                self._retire_beam(beam)
-        for seq, c in zip(targets, live):
-            seq.token_ids.append(c.token)
-            seq.token_logprobs.append(c.logprob)
-            seq.cumulative_logprob = c.score
-        req.sequences = [s for s in req.sequences if not s.finished] + [t for t in targets
-                                                                          if t not in req.sequences]
-        out_of_room = bool(targets) and targets[0].num_generated >= req.max_new_tokens
-        best = max((t.cumulative_logprob for t in targets), default=float("-inf"))
-        length = targets[0].num_generated if targets else 1
-        if out_of_room or not targets or beam_search.is_done(req.hypotheses, best, length, width):
-            if out_of_room or len(req.hypotheses) < width:
-                for t in targets:
-                    req.hypotheses.append(beam_search.Hypothesis(
-                        t.output_ids, t.token_logprobs, t.cumulative_logprob, contract.FINISH_LENGTH))
-            for t in targets:
-                self._retire_beam(t)
-            self._emit_beams(req)
-
-    def _fork_beam(self, parent: Sequence) -> Sequence:
-        req = parent.request
-        child = self._new_sequence(req, len(req.sequences), list(parent.token_ids))
-        child.table = self.blocks.fork(parent.table)
-        child.num_computed = parent.num_computed
-        child.status = Status.RUNNING
-        child.cumulative_logprob = parent.cumulative_logprob
-        child.token_logprobs = list(parent.token_logprobs)
-        return child
-
-    def _retire_beam(self, seq: Sequence) -> None:
-        seq.status = Status.FINISHED
-        seq.reported = True
-        self.scheduler.release_sequence(seq)
-
-    def _emit_beams(self, req: Request) -> None:
-        ranked = sorted(req.hypotheses, key=lambda h: h.score, reverse=True)[: req.params.n]
-        self.scheduler.remove(req)
-        req.done = True
-        skip = req.params.skip_special_tokens
-        outputs = []
-        for i, h in enumerate(ranked):
-            ids = h.output_ids
-            text_ids = ids[:-1] if h.finish_reason == contract.FINISH_STOP else ids
-            entries = None
-            if req.params.logprobs is not None:
-                entries = [{"token": self.tokenizer.decode([t], skip_special_tokens=skip), "logprob": lp,
-                            "top": []} for t, lp in zip(ids, h.logprobs)]
-            outputs.append(StepOutput(
-                index=i, text=self.tokenizer.decode(text_ids, skip_special_tokens=skip), token_ids=list(ids),
-                finish_reason=h.finish_reason, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
-                completion_tokens=len(ids), cumulative_logprob=h.cumulative_logprob, seed=req.seed,
-                batch_size=list(req.batch_sizes), queue_wait_us=list(req.queue_waits_us), logprobs=entries,
-                final=i == len(ranked) - 1))
-        for out in outputs:
-            req.emit(out)
 
     def _append(self, seq: Sequence, token: int, logprob: float, top) -> None:
         req = seq.request

@@ -1,0 +1,112 @@
+"""Beam-search requests in the engine's step: score the live beams, fork, retire and emit.
+
+The pure selection rules are in :mod:`.beam`; this module owns what beams do to the
+engine's sequences and KV blocks (a fork shares the parent's blocks copy-on-write).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import beam as beam_search
+from . import contract
+from .sequence import Request, Sequence, Status, StepOutput
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class BeamSteps:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def advance(self, seqs: list[Sequence], logprobs: torch.Tensor) -> None:
+        """One step for every beam-search request: ``logprobs`` has a row per live beam."""
+        by_req: dict[int, list[int]] = {}
+        for row, seq in enumerate(seqs):
+            by_req.setdefault(id(seq.request), []).append(row)
+        for rows in by_req.values():
+            req = seqs[rows[0]].request
+            if not req.done:
+                self._step(req, [seqs[r] for r in rows], logprobs[rows])
+
+    def _step(self, req: Request, beams: list[Sequence], logprobs: torch.Tensor) -> None:
+        width = req.params.n
+        for beam in beams:
+            self.engine.blocks.register_prompt_blocks(beam.table, beam.token_ids,
+                                                      min(beam.num_computed, req.prompt_len))
+        stop_ids = beams[0].stopper.stop_ids | beams[0].stopper.eos_ids
+        live, ended = beam_search.select(logprobs, [b.cumulative_logprob for b in beams], width, stop_ids)
+        for c in ended:
+            parent = beams[c.parent]
+            req.hypotheses.append(beam_search.Hypothesis(
+                parent.output_ids + [c.token], parent.token_logprobs + [c.logprob], c.score,
+                contract.FINISH_STOP))
+        targets: list[Sequence] = []
+        used: set[int] = set()
+        for c in live:  # fork every extra child before any parent takes its own token
+            parent = beams[c.parent]
+            if id(parent) in used:
+                targets.append(self._fork(parent))
+            else:
+                used.add(id(parent))
+                targets.append(parent)
+        for beam in beams:
+            if id(beam) not in used:
+                self._retire(beam)
+        for seq, c in zip(targets, live):
+            seq.token_ids.append(c.token)
+            seq.token_logprobs.append(c.logprob)
+            seq.cumulative_logprob = c.score
+        req.sequences = [s for s in req.sequences if not s.finished] + [t for t in targets
+                                                                          if t not in req.sequences]
+        out_of_room = bool(targets) and targets[0].num_generated >= req.max_new_tokens
+        best = max((t.cumulative_logprob for t in targets), default=float("-inf"))
+        length = targets[0].num_generated if targets else 1
+        if out_of_room or not targets or beam_search.is_done(req.hypotheses, best, length, width):
+            if out_of_room or len(req.hypotheses) < width:
+                for t in targets:
+                    req.hypotheses.append(beam_search.Hypothesis(
+                        t.output_ids, t.token_logprobs, t.cumulative_logprob, contract.FINISH_LENGTH))
+            for t in targets:
+                self._retire(t)
+            self._emit(req)
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        req = parent.request
+        child = self.engine._new_sequence(req, len(req.sequences), list(parent.token_ids))
+        child.table = self.engine.blocks.fork(parent.table)
+        child.num_computed = parent.num_computed
+        child.status = Status.RUNNING
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.token_logprobs = list(parent.token_logprobs)
+        return child
+
+    def _retire(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        seq.reported = True
+        self.engine.scheduler.release_sequence(seq)
+
+    def _emit(self, req: Request) -> None:
+        ranked = sorted(req.hypotheses, key=lambda h: h.score, reverse=True)[: req.params.n]
+        self.engine.scheduler.remove(req)
+        req.done = True
+        skip = req.params.skip_special_tokens
+        outputs = []
+        for i, h in enumerate(ranked):
+            ids = h.output_ids
+            text_ids = ids[:-1] if h.finish_reason == contract.FINISH_STOP else ids
+            entries = None
+            if req.params.logprobs is not None:
+                entries = [{"token": self.engine.tokenizer.decode([t], skip_special_tokens=skip), "logprob": lp,
+                            "top": []} for t, lp in zip(ids, h.logprobs)]
+            outputs.append(StepOutput(
+                index=i, text=self.engine.tokenizer.decode(text_ids, skip_special_tokens=skip), token_ids=list(ids),
+                finish_reason=h.finish_reason, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
+                completion_tokens=len(ids), cumulative_logprob=h.cumulative_logprob, seed=req.seed,
+                batch_size=list(req.batch_sizes), queue_wait_us=list(req.queue_waits_us), logprobs=entries,
+                final=i == len(ranked) - 1))
+        for out in outputs:
+            req.emit(out)
