@@ -5,17 +5,18 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from llm_engine.config import Settings
 from llm_engine.errors import EngineError, RequestTimeout
 from llm_engine.params import parse_sampling_parameters
 from llm_engine.sequence import Request
 
 
-def build(**schedule):
+def build(dtype="float32", **schedule):
     from llm_engine.factory import build_engine
 
     s = Settings()
-    s.model.dtype = "float32"
+    s.model.dtype = dtype
     for k, v in schedule.items():
         setattr(s.schedule, k, v)
     eng = build_engine(s)
@@ -280,3 +281,18 @@ def test_prompts_prefilled_together_match_each_alone(engine):
     together = [Run(engine, p, max_tokens=6, temperature=0, ignore_eos=True) for p in prompts]
     assert [r.wait().text() for r in together] == alone
     assert max(together[-1].outputs[0].batch_size) > 1
+
+
+
+def test_bf16_batched_decode_matches_each_alone():
+    """bf16 on CPU runs prepacked linears and, for batches, matmul attention: same greedy text."""
+    eng = build(dtype="bfloat16", kvCacheMemoryMiB=64)
+    try:
+        assert eng.runner.dtype == torch.bfloat16 and eng.runner.matmul_attention
+        prompts = ["The capital of France is", "1, 2, 3, 4,", "Monday, Tuesday,", "A, B, C, D,"]
+        alone = [Run(eng, p, max_tokens=6, temperature=0, ignore_eos=True).wait().text() for p in prompts]
+        together = [Run(eng, p, max_tokens=6, temperature=0, ignore_eos=True) for p in prompts]
+        assert [r.wait().text() for r in together] == alone
+        assert max(together[-1].outputs[-1].batch_size) == len(prompts)
+    finally:
+        eng.stop()

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from .linear import make_linear
+
 log = logging.getLogger(__name__)
 
 
@@ -45,13 +47,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def select_dtype(name: str, device: torch.device, hidden: int = 576, inter: int = 1536) -> torch.dtype:
-    """Resolve ``auto``: bf16 on accelerators; on CPU, whichever Linear is faster at batch 16."""
+    """Resolve ``auto``: bf16 on accelerators; on CPU, whichever Linear is faster at batch 16.
+
+    The probe times the same kernels the runner will use (:func:`make_linear`), since
+    bf16 weights are prepacked on CPU and fp32 ones are not.
+    """
     if name != "auto":
         return _DTYPES[name]
     if device.type != "cpu":
         return torch.bfloat16
     timings = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    layers = {dt: torch.nn.Linear(hidden, inter, bias=False).to(dt) for dt in timings}
+    weight = torch.randn(inter, hidden) * hidden**-0.5
+    layers = {dt: make_linear(weight.to(dt)) for dt in timings}
     with torch.inference_mode():
         for _ in range(5):  # best of five rounds, interleaved, so a busy moment does not decide
             for dt, lin in layers.items():

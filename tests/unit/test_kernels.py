@@ -1,0 +1,53 @@
+"""The runner's device kernels against torch's reference ops: prepacked linear, matmul attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from llm_engine.linear import make_linear, packing_supported
+from llm_engine.runner import matmul_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_linear_matches_f_linear(dtype, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(96, 64, dtype=dtype)
+    b = torch.randn(96, dtype=dtype)
+    x = torch.randn(rows, 64, dtype=dtype)
+    for bias in (None, b):
+        got = make_linear(w, bias)(x)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_weights_are_prepacked_on_cpu_when_onednn_supports_it():
+    # the speed-up this module exists for; on CPUs without bf16 support it falls back
+    expected = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packing_supported(torch.device("cpu"), torch.bfloat16) == expected
+    assert not packing_supported(torch.device("cpu"), torch.float32)
+
+
+def _decode_mask(lengths, lk):
+    return (torch.arange(lk)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_matmul_attention_matches_sdpa_for_batched_decode(dtype, tol):
+    torch.manual_seed(0)
+    b, h, kv, d, lk = 6, 9, 3, 64, 40
+    q = torch.randn(b, h, 1, d, dtype=dtype)
+    k, v = torch.randn(b, kv, lk, d, dtype=dtype), torch.randn(b, kv, lk, d, dtype=dtype)
+    mask = _decode_mask([40, 1, 17, 33, 5, 40], lk)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+    torch.testing.assert_close(matmul_attention(q, k, v, mask, d**-0.5), ref, rtol=tol, atol=tol)
+
+
+def test_matmul_attention_matches_sdpa_for_padded_prefill_chunks():
+    torch.manual_seed(1)
+    p, h, kv, d, lq, lk = 3, 9, 3, 64, 8, 12
+    q = torch.randn(p, h, lq, d)
+    k, v = torch.randn(p, kv, lk, d), torch.randn(p, kv, lk, d)
+    offset = torch.tensor([4, 0, 2])[:, None, None]  # cached tokens before each chunk
+    mask = (torch.arange(lk)[None, None, :] <= offset + torch.arange(lq)[None, :, None])[:, None]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(matmul_attention(q, k, v, mask, 0.125), ref, rtol=1e-5, atol=1e-5)
