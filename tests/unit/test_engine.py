@@ -284,15 +284,37 @@ def test_prompts_prefilled_together_match_each_alone(engine):
 
 
 
-def test_bf16_batched_decode_matches_each_alone():
-    """bf16 on CPU runs prepacked linears and, for batches, matmul attention: same greedy text."""
+
+@pytest.fixture(scope="module")
+def bf16_engine():
     eng = build(dtype="bfloat16", kvCacheMemoryMiB=64)
-    try:
-        assert eng.runner.dtype == torch.bfloat16 and eng.runner.matmul_attention
-        prompts = ["The capital of France is", "1, 2, 3, 4,", "Monday, Tuesday,", "A, B, C, D,"]
-        alone = [Run(eng, p, max_tokens=6, temperature=0, ignore_eos=True).wait().text() for p in prompts]
-        together = [Run(eng, p, max_tokens=6, temperature=0, ignore_eos=True) for p in prompts]
-        assert [r.wait().text() for r in together] == alone
-        assert max(together[-1].outputs[-1].batch_size) == len(prompts)
-    finally:
-        eng.stop()
+    yield eng
+    eng.stop()
+
+
+def test_bf16_batched_decode_matches_each_alone(bf16_engine):
+    """bf16 on CPU runs prepacked linears and matmul attention: same greedy text in a batch."""
+    eng = bf16_engine
+    assert eng.runner.dtype == torch.bfloat16 and eng.runner.matmul_attention
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Monday, Tuesday,", "A, B, C, D,"]
+    alone = [Run(eng, p, max_tokens=6, temperature=0, ignore_eos=True).wait().text() for p in prompts]
+    together = [Run(eng, p, max_tokens=6, temperature=0, ignore_eos=True) for p in prompts]
+    assert [r.wait().text() for r in together] == alone
+    assert max(together[-1].outputs[-1].batch_size) == len(prompts)
+
+
+def test_bf16_seeded_sampling_is_bit_identical_whatever_shares_the_batch(bf16_engine):
+    """Hot sampling amplifies any one-ulp difference between batch sizes into other tokens;
+    batch-invariant kernels keep every logprob identical, not just the text."""
+    eng = bf16_engine
+    req = dict(max_tokens=16, temperature=0.9, seed=4242, ignore_eos=True, logprobs=1)
+    alone = Run(eng, "Once upon a time", **req).wait()
+    runs = [Run(eng, "Once upon a time", **req)] + [
+        Run(eng, f"Noise {i}", max_tokens=16, temperature=1.0, ignore_eos=True) for i in range(5)]
+    batched = runs[0].wait()
+    for r in runs[1:]:
+        r.wait()
+    assert max(batched.outputs[-1].batch_size) > 1
+    assert batched.text() == alone.text()
+    lp = lambda run: [e["logprob"] for o in run.outputs for e in o.logprobs]  # noqa: E731
+    assert lp(batched) == lp(alone)

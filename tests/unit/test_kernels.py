@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from llm_engine.linear import make_linear, packing_supported
+from llm_engine.linear import is_batch_invariant, make_linear, packing_supported
 from llm_engine.runner import matmul_attention
 
 
@@ -25,6 +25,17 @@ def test_bf16_weights_are_prepacked_on_cpu_when_onednn_supports_it():
     expected = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert packing_supported(torch.device("cpu"), torch.bfloat16) == expected
     assert not packing_supported(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 4096])
+def test_bf16_linears_are_batch_invariant(k):
+    """A row's result may not depend on the other rows (seeded requests in a batch)."""
+    torch.manual_seed(k)
+    w = (torch.randn(576, k) * k**-0.5).bfloat16()
+    lin = make_linear(w)
+    assert is_batch_invariant(lin, k, torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(9, k, dtype=torch.bfloat16)
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=2e-2, atol=2e-2)
 
 
 def _decode_mask(lengths, lk):

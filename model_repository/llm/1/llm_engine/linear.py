@@ -1,10 +1,20 @@
 """Linear layers with the fastest kernel the device offers, behind one small interface.
 
-On CPU in bfloat16, oneDNN reorders a plain weight into its blocked layout on every
-call. Reordering once at load (``mkldnn._reorder_linear_weight``) and calling
+Speed. On CPU in bfloat16, oneDNN reorders a plain weight into its blocked layout on
+every call. Reordering once at load (``mkldnn._reorder_linear_weight``) and calling
 ``mkldnn._linear_pointwise`` gives the same numbers 1.3-2x faster (measured on a
 2-core EPYC over the 120 layer matmuls of SmolLM2-135M: 23.3 -> 12.4 ms at 1 row,
 37.4 -> 29.5 ms at 32 rows). Everywhere else ``F.linear`` is used as it is.
+
+Batch invariance. A seeded request must sample the same text whatever else shares its
+step, so a row's result must not depend on how many rows the matmul has. oneDNN's bf16
+kernels keep that for short reductions but not for long ones (measured: K <= 1024
+exact, K = 1536 differed in ~6% of rows between 1 and 2-64 rows), and bf16 rounding
+turns such one-ulp differences into different tokens. So each reduced-precision
+weight shape is probed once at load, and a shape that is not batch-invariant is split
+along K into chunks that are, summed in float32 in a fixed order. float32 kernels
+differ between batch sizes too (MKL), but only in the last bits of float32, which
+rarely changes a sampled token; they are used as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+PROBE_ROWS = 32
+_chunks_for_shape: dict[tuple, int] = {}  # (N, K, dtype, device type) -> K chunks found batch-invariant
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -26,9 +38,22 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """``x -> x @ weight.T + bias`` for 2-D ``x``, with the weight prepacked where that helps."""
+    """``x -> x @ weight.T + bias`` for 2-D ``x``: prepacked where that helps, batch-invariant
+    on CPU at reduced precision."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
+    if weight.device.type != "cpu" or weight.dtype == torch.float32:
+        return _kernel(weight, bias)
+    key = (*weight.shape, weight.dtype, weight.device.type)
+    if key not in _chunks_for_shape:
+        _chunks_for_shape[key] = _invariant_chunks(weight)
+    chunks = _chunks_for_shape[key]
+    if chunks == 1:
+        return _kernel(weight, bias)
+    return _chunked(weight, bias, chunks)
+
+
+def _kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     if packing_supported(weight.device, weight.dtype):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
@@ -36,3 +61,51 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linea
         except RuntimeError as exc:  # an oneDNN build without the op: plain matmul
             log.warning("weight prepacking unavailable (%s); using plain linear", exc)
     return lambda x: F.linear(x, weight, bias)
+
+
+def _chunked(weight: torch.Tensor, bias: torch.Tensor | None, chunks: int) -> Linear:
+    """Split the reduction into ``chunks`` equal parts, each its own kernel, summed in float32."""
+    k = weight.shape[1] // chunks
+    parts = [(slice(i * k, (i + 1) * k), _kernel(weight[:, i * k : (i + 1) * k].contiguous(), None))
+             for i in range(chunks)]
+    fbias = None if bias is None else bias.float()
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        acc = None
+        for cols, part in parts:
+            y = part(x[:, cols].contiguous()).float()
+            acc = y if acc is None else acc.add_(y)
+        if fbias is not None:
+            acc.add_(fbias)
+        return acc.to(x.dtype)
+
+    return linear
+
+
+def is_batch_invariant(linear: Linear, in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Does each row come out bit-identical whether it is computed alone or among others?"""
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    x = torch.randn(PROBE_ROWS, in_features, generator=gen).to(device=device, dtype=dtype)
+    with torch.inference_mode():
+        full = linear(x)
+        for rows in (slice(0, 1), slice(0, 2), slice(0, 5), slice(7, 8), slice(3, 20), slice(31, 32)):
+            if not torch.equal(linear(x[rows]), full[rows]):
+                return False
+        return all(torch.equal(linear(x[i : i + 1]), full[i : i + 1]) for i in range(PROBE_ROWS))
+
+
+def _invariant_chunks(weight: torch.Tensor) -> int:
+    """The fewest equal K-chunks (1, 2, 4, ...) whose kernels are batch-invariant for this shape."""
+    n, k = weight.shape
+    chunks = 1
+    while k % chunks == 0 and k // chunks >= 64:
+        fn = _kernel(weight, None) if chunks == 1 else _chunked(weight, None, chunks)
+        if is_batch_invariant(fn, k, weight.dtype, weight.device):
+            if chunks > 1:
+                log.info("linear %dx%d (%s): split into %d K-chunks for batch-invariant results",
+                         n, k, str(weight.dtype).removeprefix("torch."), chunks)
+            return chunks
+        chunks *= 2
+    log.warning("linear %dx%d (%s): no batch-invariant split found; a seeded request's text may "
+                "depend on what shares its batch", n, k, str(weight.dtype).removeprefix("torch."))
+    return 1

@@ -58,7 +58,9 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     ``mask [B, 1, Lq, Lk]`` is True where a query may attend. Softmax runs in float32.
     On CPU in bf16/fp16, ``scaled_dot_product_attention`` with a mask is 4-9x slower than
-    this for batched decode (measured at 32 rows, 40-400 keys), so the runner uses it there.
+    this for batched decode (measured at 32 rows, 40-400 keys), so the runner uses it there,
+    at every batch size: each row's result is then the same alone or in a batch, and with
+    any padding of the keys (masked keys add exact zeros), which seeded sampling needs.
     """
     b, h, lq, d = q.shape
     kv = k.shape[1]
@@ -100,7 +102,7 @@ class ModelRunner:
             cos, sin = self.inner.rotary_emb(probe, pos[None])
         self.cos, self.sin = cos[0], sin[0]  # [P, head_dim]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        # Batched masked attention: SDPA, except on CPU at reduced precision (see matmul_attention).
+        # Masked attention: SDPA, except on CPU at reduced precision (see matmul_attention).
         self.matmul_attention = device.type == "cpu" and dtype != torch.float32
         self._fuse_projections()
 
@@ -225,6 +227,6 @@ class ModelRunner:
         return self.o_proj[i](out.reshape(t, self.num_heads * self.head_dim))
 
     def _masked_attention(self, q, k, v, mask) -> torch.Tensor:
-        if self.matmul_attention and q.shape[0] * q.shape[2] > 2:
+        if self.matmul_attention:
             return matmul_attention(q, k, v, mask, self.scaling)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)

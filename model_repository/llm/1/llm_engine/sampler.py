@@ -59,18 +59,18 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSpec]) -> None:
 def sample(logits: torch.Tensor, rows: list[RowSpec]) -> SampleResult:
     """Pick one token per row of ``logits`` ``[R, V]`` (float32)."""
     apply_penalties(logits, rows)
-    logz = torch.logsumexp(logits, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1)  # one pass; cheaper than logsumexp + subtract
+    tokens = torch.argmax(logprobs, dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.generator is not None]
     if sampled:
         tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled]).to(tokens.device)
-    chosen = (logits.gather(1, tokens[:, None])[:, 0] - logz).tolist()
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
     top: list[list[tuple[int, float]] | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.logprobs]
     if want:
         k = max(rows[i].logprobs for i in want)
-        vals, ids = torch.topk(logits[want], k, dim=-1)
-        vals = (vals - logz[want, None]).tolist()
+        vals, ids = torch.topk(logprobs[want], k, dim=-1)
+        vals = vals.tolist()
         ids = ids.tolist()
         for j, i in enumerate(want):
             n = rows[i].logprobs
