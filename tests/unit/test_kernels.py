@@ -1,4 +1,4 @@
-"""The runner's device kernels against torch's reference ops: prepacked linear, matmul attention."""
+"""The runner's device kernels against torch's reference ops (prepacked linear, matmul attention), and CPU threads."""
 
 import pytest
 import torch
@@ -62,3 +62,16 @@ def test_matmul_attention_matches_sdpa_for_padded_prefill_chunks():
     mask = (torch.arange(lk)[None, None, :] <= offset + torch.arange(lq)[None, :, None])[:, None]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
     torch.testing.assert_close(matmul_attention(q, k, v, mask, 0.125), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_threads_leave_a_core_unless_told(monkeypatch):
+    from llm_engine.device import select_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert select_cpu_threads(0) == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert select_cpu_threads(0) == 15
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert select_cpu_threads(0) == 3
+    assert select_cpu_threads(2) == 2

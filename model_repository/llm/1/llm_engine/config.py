@@ -54,6 +54,8 @@ class ModelSection(_Section):
     backendType: Literal["atb", "ms", "torch"] = "atb"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+    cpuThreads: int = Field(
+        0, ge=0, description="torch threads on CPU; 0 = $OMP_NUM_THREADS if set, else cores - 1")
 
 
 class ModelDeploySection(_Section):

@@ -8,7 +8,7 @@ import time
 import torch
 
 from .config import Settings
-from .device import select_device, select_dtype
+from .device import select_cpu_threads, select_device, select_dtype
 from .engine import Engine, EngineLimits
 from .kv_cache import BlockManager
 from .runner import ModelRunner
@@ -28,6 +28,8 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
     model_dir = resolve_model_dir(mc.modelWeightPath)
     log.info("loading %s from %s", mc.modelName, model_dir)
     device = select_device(mc.device, device_id)
+    if device.type == "cpu":
+        torch.set_num_threads(select_cpu_threads(mc.cpuThreads))
     config = AutoConfig.from_pretrained(model_dir)
     dtype = select_dtype(mc.dtype, device, config.hidden_size, getattr(config, "intermediate_size", 1536))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -59,9 +61,9 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
         eos_ids.append(tokenizer.eos_token_id)
     engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics)
     log.info(
-        "engine ready in %.1fs: device=%s dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) maxBatchSize=%d "
+        "engine ready in %.1fs: device=%s threads=%d dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) maxBatchSize=%d "
         "maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s",
-        time.monotonic() - t0, device, str(dtype).removeprefix("torch."), num_blocks, block_size,
+        time.monotonic() - t0, device, torch.get_num_threads(), str(dtype).removeprefix("torch."), num_blocks, block_size,
         num_blocks * block_size * per_token / 2**20, sched.maxBatchSize, sched.maxPrefillTokens,
         deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids,
     )
