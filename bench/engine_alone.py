@@ -60,19 +60,23 @@ def run_engine_alone(config_path: Path | None, workload: Workload, dtype: str = 
     ``dtype`` (the one the stack's engine chose) overrides the file's: ``auto`` is decided
     per process by a short timing, and the overhead comparison needs the same dtype.
     """
+    import torch
     from llm_engine.config import load_settings
     from llm_engine.factory import build_engine
 
     settings = load_settings(config_path)
     if dtype:
         settings.model.dtype = dtype
+    threads = torch.get_num_threads()  # build_engine applies cpuThreads; the peers run after us
     engine = build_engine(settings)
     dtype = str(engine.runner.dtype).removeprefix("torch.")
+    log.info("engine alone: %s, %d torch threads", dtype, torch.get_num_threads())
     engine.start()
     try:
         return asyncio.run(_drive(engine, workload, dtype))
     finally:
         engine.stop()
+        torch.set_num_threads(threads)
 
 
 async def _drive(engine, workload: Workload, dtype: str) -> list[RunResult]:

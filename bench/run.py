@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with Stack(out / "stack.log", args.config) as stack:
         stack_dtype, dtype_auto = stack.engine_dtype(), stack.dtype_decision()
+        stack_threads = stack.engine_threads()
         log.info("the stack's engine runs %s (%s)", stack_dtype or "an unknown dtype (no 'engine ready' log line)",
                  dtype_auto or "dtype set in the settings")
         results += asyncio.run(drive_stack(stack.base_url, stack.model_name, workload, stack_dtype))
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     summary = {"date": started.isoformat(timespec="seconds"), "duration_s": round(time.monotonic() - t0, 1),
                "loadavg_1m_start": load_start[0], "loadavg_1m_end": load_end[0],
-               "stack_dtype": stack_dtype, "stack_dtype_auto": dtype_auto, "machine": machine.as_dict(), "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
+               "stack_dtype": stack_dtype, "stack_dtype_auto": dtype_auto, "stack_torch_threads": stack_threads,
+               "machine": machine.as_dict(), "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
                "results": [r.summary() for r in results],
                "checks": [{"name": c.name, "value": c.value, "target": c.target, "status": c.status,
                            "detail": c.note} for c in checks]}

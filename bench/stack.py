@@ -119,6 +119,10 @@ class Stack:
         """The dtype the Triton model chose, from its "engine ready" log line ("" if not found)."""
         return self._log_match(r"engine ready .*?dtype=(\w+)")
 
+    def engine_threads(self) -> str:
+        """The model's torch threads on CPU, from its "engine ready" log line ("" if not found)."""
+        return self._log_match(r"engine ready .*?threads=(\d+)")
+
     def dtype_decision(self) -> str:
         """The model's "dtype auto: ..." timing line, when the settings say ``auto``."""
         return self._log_match(r"dtype auto: ([^\n]*)")
