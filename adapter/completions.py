@@ -74,7 +74,8 @@ async def completions(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_completion_request)
     if plan.stream and not plan.sampling.get("use_beam_search"):
-        return svc.sse_response(_stream(svc, plan, req_id), req_id)
+        chunks = await svc.open_stream(request, svc.chunks(req_id, plan, stream=True))
+        return svc.sse_response(_stream(svc, plan, req_id, chunks), req_id)
     body = await until_disconnect(request, _collect(svc, plan, req_id))
     if plan.stream:  # beam search: a pseudo-stream with one event
         return svc.sse_response(_once(body), req_id)
@@ -109,11 +110,12 @@ async def _collect(svc: Service, plan: GenerationPlan, req_id: str) -> dict:
             "choices": choices, "usage": usage(all_chunks, total)}
 
 
-async def _stream(svc: Service, plan: GenerationPlan, req_id: str) -> AsyncIterator[bytes]:
+async def _stream(svc: Service, plan: GenerationPlan, req_id: str,
+                  chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
     full_text = svc.settings.server.fullTextEnabled
     so_far: dict[int, str] = {}
     lp = LogprobBuilder()
-    async for chunk in svc.chunks(req_id, plan, stream=True):
+    async for chunk in chunks:
         text = clean(chunk.text)
         so_far[chunk.index] = so_far.get(chunk.index, "") + text
         logprobs = None

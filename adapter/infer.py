@@ -18,6 +18,7 @@ from adapter.service import (
     until_disconnect,
 )
 from adapter.sse import event
+from adapter.triton import Chunk
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -40,7 +41,9 @@ async def infer(request: Request):
     plan, req_id = await svc.begin(request, parse_infer_request)
     timeout = plan.sampling.get("timeout")
     if plan.stream:
-        return svc.sse_response(_stream(svc, plan, req_id, timeout), req_id)
+        start = time.monotonic()  # prefill_time counts from the enqueue
+        chunks = await svc.open_stream(request, svc.chunks(req_id, plan, stream=True, client_timeout=timeout))
+        return svc.sse_response(_stream(svc, plan, chunks, start), req_id)
     return json_response(await until_disconnect(request, _collect(svc, plan, req_id, timeout)))
 
 
@@ -55,12 +58,13 @@ async def _collect(svc: Service, plan: GenerationPlan, req_id: str, timeout: flo
     return body
 
 
-async def _stream(svc: Service, plan: GenerationPlan, req_id: str, timeout: float | None) -> AsyncIterator[bytes]:
+async def _stream(svc: Service, plan: GenerationPlan, chunks: AsyncIterator[Chunk],
+                  start: float) -> AsyncIterator[bytes]:
     full_text = svc.settings.server.fullTextEnabled
-    start = prev = time.monotonic()
+    prev = start
     generated = ""
     first = True
-    async for chunk in svc.chunks(req_id, plan, stream=True, client_timeout=timeout):
+    async for chunk in chunks:
         now = time.monotonic()
         if first:
             timing = {"prefill_time": round((now - start) * 1000, 3), "decode_time": None}

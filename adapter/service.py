@@ -95,6 +95,28 @@ class Service:
             plan.prompt_ids = seen[plan.prompt_text]  # tokenized once, here
         return plan
 
+    async def open_stream(self, request: Request, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+        """Wait for the model's first response before a stream sends its first byte (spec §1.2).
+
+        Enqueue failures (a prompt over the token limit, invalid input ids, a full queue,
+        Triton unreachable) then raise here, before the response starts, and are answered
+        as plain JSON with their status, exactly as without ``stream``. The first chunk is
+        handed on in front of the others. A client that hangs up while we wait cancels the
+        generation through :func:`until_disconnect`, as in the non-stream path. A timeout
+        while waiting belongs to the stream: it is written there as MindIE's raw text.
+        """
+
+        async def first() -> Chunk | DeadlineExceeded | None:
+            try:
+                return await chunks.__anext__()
+            except StopAsyncIteration:
+                return None
+            except DeadlineExceeded as exc:
+                return exc
+
+        head = await until_disconnect(request, first())
+        return _replay(head, chunks)
+
     async def chunks(self, request_id: str, plan: GenerationPlan, *, stream: bool,
                      client_timeout: float | None = None) -> AsyncIterator[Chunk]:
         """The model's responses, with MindIE's deadlines applied to every wait.
@@ -167,10 +189,22 @@ async def until_disconnect(request: Request, work):
             task.cancel()
 
 
+async def _replay(head: Chunk | DeadlineExceeded | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """``head`` (already received), then the rest of the stream; closing this closes ``rest``."""
+    try:
+        if isinstance(head, DeadlineExceeded):
+            raise head
+        if head is None:
+            return
+        yield head
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
-
-
 
 
 class SlowReader(Exception):
