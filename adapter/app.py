@@ -46,7 +46,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     @app.exception_handler(MindIEError)
     async def mindie_error(_: Request, exc: MindIEError):
         return Response(json.dumps(error_body(exc), separators=(",", ":"), ensure_ascii=False),
-                        status_code=exc.status, media_type="application/json")
+                        status_code=exc.status, media_type="application/json", headers=exc.headers)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone):

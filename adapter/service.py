@@ -20,7 +20,7 @@ from adapter.errors import (
     MindIEError,
     generation_error,
     incomplete_error,
-    unavailable_error,
+    overloaded_error,
     validation_error,
 )
 from adapter.protocol.common import GenerationPlan
@@ -39,12 +39,13 @@ class DeadlineExceeded(Exception):
 
 
 def to_mindie(exc: TritonError) -> MindIEError:
+    """The engine's status travels in its message (``[424] ...``); Triton's own failures are 500."""
     if exc.status == 400:
         return validation_error(exc.message)
     if exc.status == 424:
         return generation_error(exc.message)
-    if exc.status == 503:
-        return unavailable_error(exc.message)
+    if exc.status == 503:  # only Overloaded: the engine's or Triton's queue is full
+        return overloaded_error(exc.message)
     return incomplete_error(exc.message)
 
 
