@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 20
+DEFAULT_TEMPERATURE = 1.0  # seed B: a fixed 1.0 here (/v1/completions leaves it to the model)
 DEFAULT_PRIORITY = 5
 MAX_PRIORITY = 5
 DEFAULT_TIMEOUT = 600
@@ -108,7 +109,7 @@ def parse_infer_request(
     max_iter = settings.schedule.maxIterTimes
     sampling: dict[str, Any] = {"max_tokens": min(max_new_tokens or DEFAULT_MAX_NEW_TOKENS, max_iter)}
     optional = {
-        "temperature": temperature,
+        "temperature": DEFAULT_TEMPERATURE if temperature is None else temperature,
         "top_k": None if top_k is None else clamp_top_k(top_k, vocab_size),
         "top_p": top_p,
         "repetition_penalty": repetition_penalty,

@@ -197,13 +197,15 @@ def test_l2_and_tokenizer_errors():
 
 
 def test_defaults():
+    # temperature: seed B fixes /infer's default at 1.0, so it is sent; /v1/completions leaves it
+    # unset for the model's generation_config.json default (spec §2.1)
     assert parse(BASE) == GenerationPlan(
         endpoint="infer",
         model=None,
         prompt_text=BASE["inputs"],
         prompt_ids=None,
         stream=False,
-        sampling={"max_tokens": 20, "priority": 5, "timeout": 600},
+        sampling={"max_tokens": 20, "temperature": 1.0, "priority": 5, "timeout": 600},
         details=False,
         num_choices=1,
         logprobs=None,
