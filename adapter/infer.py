@@ -25,8 +25,9 @@ router = APIRouter()
 
 
 def finish_reason(engine_reason: str) -> str:
-    return {"stop": "eos_token", "length": "length", "cancelled": "stop_sequence",
-            "error": "stop_sequence"}.get(engine_reason, "invalid flag")
+    """Spec §2.8. Engine failures never get here: they arrive as errors, not finish reasons."""
+    return {"stop": "eos_token", "length": "length", "cancelled": "stop_sequence"}.get(engine_reason,
+                                                                                      "invalid flag")
 
 
 def details(plan: GenerationPlan, reason: str, tokens: int, seed: int) -> dict | None:
