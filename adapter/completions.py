@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from adapter.openapi import request_body, responses
 from adapter.protocol.common import GenerationPlan
-from adapter.protocol.completions import CompletionRequest, CompletionResponse, parse_completion_request
-from adapter.service import (
-    Service,
-    body_schema,
-    json_response,
-    until_disconnect,
+from adapter.protocol.completions import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    parse_completion_request,
 )
+from adapter.service import Service, json_response, until_disconnect
 from adapter.sse import DONE, event
 from adapter.triton import Chunk
 
@@ -69,7 +70,10 @@ def usage(chunks: list[Chunk], completion_tokens: int) -> dict:
     }
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, openapi_extra=body_schema(CompletionRequest))
+@router.post("/v1/completions", response_model=CompletionResponse, openapi_extra=request_body(CompletionRequest),
+             responses=responses(CompletionStreamResponse, "Each event is `data: ` + one CompletionStreamResponse "
+                                 "(one choice) + a blank line; the stream ends with `data: [DONE]`. With beam "
+                                 "search, one event holds the whole CompletionResponse."))
 async def completions(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_completion_request)

@@ -9,14 +9,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from adapter.completions import clean
+from adapter.openapi import request_body, responses
 from adapter.protocol.common import GenerationPlan
-from adapter.protocol.infer import InferRequest, InferResponse, parse_infer_request
-from adapter.service import (
-    Service,
-    body_schema,
-    json_response,
-    until_disconnect,
-)
+from adapter.protocol.infer import InferRequest, InferResponse, InferStreamEvent, parse_infer_request
+from adapter.service import Service, json_response, until_disconnect
 from adapter.sse import event
 from adapter.triton import Chunk
 
@@ -36,7 +32,9 @@ def details(plan: GenerationPlan, reason: str, tokens: int, seed: int) -> dict |
     return {"finish_reason": finish_reason(reason), "generated_tokens": tokens, "seed": seed}
 
 
-@router.post("/infer", response_model=InferResponse, openapi_extra=body_schema(InferRequest))
+@router.post("/infer", response_model=InferResponse, openapi_extra=request_body(InferRequest),
+             responses=responses(InferStreamEvent, "Each event is `data: ` + one InferStreamEvent + a blank "
+                                 "line; the last one carries generated_text, and there is no `[DONE]`."))
 async def infer(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_infer_request)

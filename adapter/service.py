@@ -28,6 +28,8 @@ from adapter.sse import compact, event
 from adapter.triton import Chunk, TritonClient, TritonError
 
 log = logging.getLogger(__name__)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INVALID_INPUT_IDS = "Failed to enqueue inferRequest. Invalid Input Ids"  # the engine's message (424)
 
 
 class DeadlineExceeded(Exception):
@@ -126,6 +128,9 @@ class Service:
         whole wait otherwise; ``e2eTimeout`` bounds the request from arrival.
         """
         srv = self.settings.server
+        if plan.prompt_ids is not None and not all(INT64_MIN <= t <= INT64_MAX for t in plan.prompt_ids):
+            # the engine's answer to an id outside the vocabulary; such an id cannot even travel as INT64
+            raise generation_error(INVALID_INPUT_IDS)
         start = time.monotonic()
         e2e_deadline = start + srv.e2eTimeout
         whole = None if stream else start + min(srv.tokenTimeout, client_timeout or srv.tokenTimeout)
@@ -246,12 +251,6 @@ class BoundedStreamingResponse(StreamingResponse):
 def json_response(body: dict) -> Response:
     """MindIE's non-stream answer: compact JSON, ``Connection: close``."""
     return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
-
-
-def body_schema(model) -> dict:
-    """OpenAPI request body for routes that read the raw body themselves."""
-    return {"requestBody": {"content": {"application/json": {"schema": model.model_json_schema()}},
-                            "required": True}}
 
 
 async def guard_stream(events: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:

@@ -18,6 +18,9 @@ VOCAB = 49152  # SmolLM2's vocabulary: token id 49152 passes validation, the eng
 CASES = {
     "completions-too-long": ("/v1/completions", {"model": MODEL_NAME, "prompt": TOO_LONG, "max_tokens": 2}),
     "completions-bad-ids": ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, VOCAB], "max_tokens": 2}),
+    "completions-negative-ids": ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, -5], "max_tokens": 2}),
+    # found by the fuzz test: an id beyond INT64 crashed the adapter with a 500
+    "completions-huge-ids": ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 2**70], "max_tokens": 2}),
     "infer-too-long": ("/infer", {"inputs": TOO_LONG, "parameters": {"max_new_tokens": 2}}),
     "infer-bad-ids": ("/infer", {"input_id": [1, VOCAB], "parameters": {"max_new_tokens": 2}}),
 }
@@ -32,7 +35,7 @@ def test_enqueue_rejection_is_the_same_json_with_or_without_stream(client, case)
     assert plain.status_code == 424, plain.text
     assert plain.json()["error_type"] == "Generation Error"
     assert plain.json()["error"].startswith("Failed to enqueue inferRequest. ")
-    if case.endswith("bad-ids"):
+    if case.endswith("-ids"):
         assert plain.json()["error"] == "Failed to enqueue inferRequest. Invalid Input Ids"
     else:
         assert "cannot be greater than 2048,the input ids length is" in plain.json()["error"]

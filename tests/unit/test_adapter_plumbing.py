@@ -100,3 +100,20 @@ def test_error_headers_reach_the_response():
     r = TestClient(app).get("/boom")  # no lifespan: no Triton client is needed
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.content == b'{"error":"the engine queue is full","error_type":"Service Unavailable"}'
+
+
+def test_an_unexpected_error_is_a_500_in_the_mindie_envelope():
+    from fastapi.testclient import TestClient
+    from llm_engine.config import Settings
+
+    from adapter.app import create_app
+
+    app = create_app(Settings(), tokenizer=object())
+
+    @app.get("/bug")
+    async def bug():
+        raise OverflowError("Python int too large to convert to C long")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/bug")
+    assert r.status_code == 500
+    assert r.json() == {"error": "Failed to get engine response.", "error_type": "Incomplete Generation"}
