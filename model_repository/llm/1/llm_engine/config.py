@@ -95,7 +95,11 @@ class ScheduleSection(_Section):
     maxPrefillBatchSize: int = Field(50, ge=1)
     maxPrefillTokens: int = Field(8192, ge=1)
     maxIterTimes: int = Field(512, ge=1)
-    maxQueueDelayMicroseconds: int = Field(5000, ge=500, le=1000000)
+    maxQueueDelayMicroseconds: int = Field(
+        500, ge=500, le=1000000,
+        description="Triton's dynamic-batching delay for the llm model, applied by the launcher at load "
+                    "(MindIE's default is 5000; the engine batches per step itself, so waiting longer only "
+                    "delays first tokens)")
     maxN: int = Field(128, ge=1, le=8192)
     cacheBlockSize: int = Field(16, ge=1, le=128)
     kvCacheBlocks: int = Field(0, ge=0, description="0 = size from kvCacheMemoryMiB")
