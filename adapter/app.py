@@ -13,7 +13,7 @@ from llm_engine.config import Settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapter import completions, infer
+from adapter import completions, infer, openapi
 from adapter.errors import MindIEError, error_body
 from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
 from adapter.metrics import REGISTRY, TASKS, MetricsMiddleware
@@ -42,11 +42,18 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     app.state.settings = settings
     app.include_router(completions.router)
     app.include_router(infer.router)
+    openapi.install(app, [m.modelName for m in settings.deploy.ModelConfig])
 
     @app.exception_handler(MindIEError)
     async def mindie_error(_: Request, exc: MindIEError):
         return Response(json.dumps(error_body(exc), separators=(",", ":"), ensure_ascii=False),
-                        status_code=exc.status, media_type="application/json")
+                        status_code=exc.status, media_type="application/json", headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        # a bug must still answer in MindIE's envelope; Starlette logs the traceback
+        return Response(json.dumps({"error": "Failed to get engine response.", "error_type": "Incomplete Generation"},
+                                   separators=(",", ":")), status_code=500, media_type="application/json")
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone):

@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from adapter.openapi import request_body, responses
 from adapter.protocol.common import GenerationPlan
-from adapter.protocol.completions import CompletionRequest, CompletionResponse, parse_completion_request
-from adapter.service import (
-    Service,
-    body_schema,
-    json_response,
-    until_disconnect,
+from adapter.protocol.completions import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    parse_completion_request,
 )
+from adapter.service import Service, json_response, until_disconnect
 from adapter.sse import DONE, event
 from adapter.triton import Chunk
 
@@ -69,12 +70,16 @@ def usage(chunks: list[Chunk], completion_tokens: int) -> dict:
     }
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, openapi_extra=body_schema(CompletionRequest))
+@router.post("/v1/completions", response_model=CompletionResponse, openapi_extra=request_body(CompletionRequest),
+             responses=responses(CompletionStreamResponse, "Each event is `data: ` + one CompletionStreamResponse "
+                                 "(one choice) + a blank line; the stream ends with `data: [DONE]`. With beam "
+                                 "search, one event holds the whole CompletionResponse."))
 async def completions(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_completion_request)
     if plan.stream and not plan.sampling.get("use_beam_search"):
-        return svc.sse_response(_stream(svc, plan, req_id), req_id)
+        chunks = await svc.open_stream(request, svc.chunks(req_id, plan, stream=True))
+        return svc.sse_response(_stream(svc, plan, req_id, chunks), req_id)
     body = await until_disconnect(request, _collect(svc, plan, req_id))
     if plan.stream:  # beam search: a pseudo-stream with one event
         return svc.sse_response(_once(body), req_id)
@@ -109,11 +114,12 @@ async def _collect(svc: Service, plan: GenerationPlan, req_id: str) -> dict:
             "choices": choices, "usage": usage(all_chunks, total)}
 
 
-async def _stream(svc: Service, plan: GenerationPlan, req_id: str) -> AsyncIterator[bytes]:
+async def _stream(svc: Service, plan: GenerationPlan, req_id: str,
+                  chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
     full_text = svc.settings.server.fullTextEnabled
     so_far: dict[int, str] = {}
     lp = LogprobBuilder()
-    async for chunk in svc.chunks(req_id, plan, stream=True):
+    async for chunk in chunks:
         text = clean(chunk.text)
         so_far[chunk.index] = so_far.get(chunk.index, "") + text
         logprobs = None

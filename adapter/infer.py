@@ -9,23 +9,21 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from adapter.completions import clean
+from adapter.openapi import request_body, responses
 from adapter.protocol.common import GenerationPlan
-from adapter.protocol.infer import InferRequest, InferResponse, parse_infer_request
-from adapter.service import (
-    Service,
-    body_schema,
-    json_response,
-    until_disconnect,
-)
+from adapter.protocol.infer import InferRequest, InferResponse, InferStreamEvent, parse_infer_request
+from adapter.service import Service, json_response, until_disconnect
 from adapter.sse import event
+from adapter.triton import Chunk
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 
 def finish_reason(engine_reason: str) -> str:
-    return {"stop": "eos_token", "length": "length", "cancelled": "stop_sequence",
-            "error": "stop_sequence"}.get(engine_reason, "invalid flag")
+    """Spec §2.8. Engine failures never get here: they arrive as errors, not finish reasons."""
+    return {"stop": "eos_token", "length": "length", "cancelled": "stop_sequence"}.get(engine_reason,
+                                                                                      "invalid flag")
 
 
 def details(plan: GenerationPlan, reason: str, tokens: int, seed: int) -> dict | None:
@@ -34,13 +32,17 @@ def details(plan: GenerationPlan, reason: str, tokens: int, seed: int) -> dict |
     return {"finish_reason": finish_reason(reason), "generated_tokens": tokens, "seed": seed}
 
 
-@router.post("/infer", response_model=InferResponse, openapi_extra=body_schema(InferRequest))
+@router.post("/infer", response_model=InferResponse, openapi_extra=request_body(InferRequest),
+             responses=responses(InferStreamEvent, "Each event is `data: ` + one InferStreamEvent + a blank "
+                                 "line; the last one carries generated_text, and there is no `[DONE]`."))
 async def infer(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_infer_request)
     timeout = plan.sampling.get("timeout")
     if plan.stream:
-        return svc.sse_response(_stream(svc, plan, req_id, timeout), req_id)
+        start = time.monotonic()  # prefill_time counts from the enqueue
+        chunks = await svc.open_stream(request, svc.chunks(req_id, plan, stream=True, client_timeout=timeout))
+        return svc.sse_response(_stream(svc, plan, chunks, start), req_id)
     return json_response(await until_disconnect(request, _collect(svc, plan, req_id, timeout)))
 
 
@@ -55,12 +57,13 @@ async def _collect(svc: Service, plan: GenerationPlan, req_id: str, timeout: flo
     return body
 
 
-async def _stream(svc: Service, plan: GenerationPlan, req_id: str, timeout: float | None) -> AsyncIterator[bytes]:
+async def _stream(svc: Service, plan: GenerationPlan, chunks: AsyncIterator[Chunk],
+                  start: float) -> AsyncIterator[bytes]:
     full_text = svc.settings.server.fullTextEnabled
-    start = prev = time.monotonic()
+    prev = start
     generated = ""
     first = True
-    async for chunk in svc.chunks(req_id, plan, stream=True, client_timeout=timeout):
+    async for chunk in chunks:
         now = time.monotonic()
         if first:
             timing = {"prefill_time": round((now - start) * 1000, 3), "decode_time": None}

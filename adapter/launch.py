@@ -31,7 +31,14 @@ from llm_engine.config import CONFIG_ENV, default_config_path, load_settings
 from llm_engine.contract import CANCEL_FLAG_DIR_PREFIX
 from llm_engine.weights import resolve_model_dir
 
-from adapter.tritonserver import REPO_ROOT, prepare_backend, triton_command, triton_env
+from adapter.tritonserver import (
+    REPO_ROOT,
+    load_llm,
+    new_admin_key,
+    prepare_backend,
+    triton_command,
+    triton_env,
+)
 
 log = logging.getLogger("launch")
 PR_SET_PDEATHSIG = 1
@@ -107,17 +114,40 @@ class Supervisor:
                 except OSError as exc:
                     raise RuntimeError(f"Triton port {addr}:{port} is already in use ({exc})") from None
 
+    def _triton_live(self) -> bool:
+        t = self.settings.triton
+        try:
+            return httpx.get(f"http://{t.httpAddress}:{t.httpPort}/v2/health/live", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def start_triton(self, timeout: float = 600) -> None:
         self._check_ports()
         self.shm_prefix = f"mindie_triton_{os.getpid()}_{self.restarts}_"
-        cmd = triton_command(self.paths, self.settings, self.model_repository, shm_prefix=self.shm_prefix)
+        key = new_admin_key()
+        cmd = triton_command(self.paths, self.settings, self.model_repository, admin_key=key,
+                             shm_prefix=self.shm_prefix)
         log.info("starting tritonserver (model %s)", self.settings.triton.modelName)
         self.triton = subprocess.Popen(cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
+        loader: threading.Thread | None = None
+        load_errors: list[Exception] = []
+
+        def load() -> None:  # in a thread: the load call blocks until the model is loaded
+            try:
+                load_llm(self.settings, self.model_repository, key, timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as exc:
+                load_errors.append(exc)
+
         while time.monotonic() < deadline and not self.stopping.is_set():
             if self.triton.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.triton.returncode} while loading")
-            if self._triton_ready():
+            if load_errors:
+                raise RuntimeError(f"loading the model failed: {load_errors[0]}") from load_errors[0]
+            if loader is None and self._triton_live():
+                loader = threading.Thread(target=load, name="triton-load", daemon=True)
+                loader.start()
+            if loader is not None and not loader.is_alive() and not load_errors and self._triton_ready():
                 self.stubs = child_pids(self.triton.pid)
                 log.info("Triton model ready (python stubs: %s)", self.stubs)
                 return

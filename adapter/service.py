@@ -20,7 +20,7 @@ from adapter.errors import (
     MindIEError,
     generation_error,
     incomplete_error,
-    unavailable_error,
+    overloaded_error,
     validation_error,
 )
 from adapter.protocol.common import GenerationPlan
@@ -28,6 +28,8 @@ from adapter.sse import compact, event
 from adapter.triton import Chunk, TritonClient, TritonError
 
 log = logging.getLogger(__name__)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INVALID_INPUT_IDS = "Failed to enqueue inferRequest. Invalid Input Ids"  # the engine's message (424)
 
 
 class DeadlineExceeded(Exception):
@@ -39,12 +41,13 @@ class DeadlineExceeded(Exception):
 
 
 def to_mindie(exc: TritonError) -> MindIEError:
+    """The engine's status travels in its message (``[424] ...``); Triton's own failures are 500."""
     if exc.status == 400:
         return validation_error(exc.message)
     if exc.status == 424:
         return generation_error(exc.message)
-    if exc.status == 503:
-        return unavailable_error(exc.message)
+    if exc.status == 503:  # only Overloaded: the engine's or Triton's queue is full
+        return overloaded_error(exc.message)
     return incomplete_error(exc.message)
 
 
@@ -95,6 +98,28 @@ class Service:
             plan.prompt_ids = seen[plan.prompt_text]  # tokenized once, here
         return plan
 
+    async def open_stream(self, request: Request, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+        """Wait for the model's first response before a stream sends its first byte (spec §1.2).
+
+        Enqueue failures (a prompt over the token limit, invalid input ids, a full queue,
+        Triton unreachable) then raise here, before the response starts, and are answered
+        as plain JSON with their status, exactly as without ``stream``. The first chunk is
+        handed on in front of the others. A client that hangs up while we wait cancels the
+        generation through :func:`until_disconnect`, as in the non-stream path. A timeout
+        while waiting belongs to the stream: it is written there as MindIE's raw text.
+        """
+
+        async def first() -> Chunk | DeadlineExceeded | None:
+            try:
+                return await chunks.__anext__()
+            except StopAsyncIteration:
+                return None
+            except DeadlineExceeded as exc:
+                return exc
+
+        head = await until_disconnect(request, first())
+        return _replay(head, chunks)
+
     async def chunks(self, request_id: str, plan: GenerationPlan, *, stream: bool,
                      client_timeout: float | None = None) -> AsyncIterator[Chunk]:
         """The model's responses, with MindIE's deadlines applied to every wait.
@@ -103,6 +128,9 @@ class Service:
         whole wait otherwise; ``e2eTimeout`` bounds the request from arrival.
         """
         srv = self.settings.server
+        if plan.prompt_ids is not None and not all(INT64_MIN <= t <= INT64_MAX for t in plan.prompt_ids):
+            # the engine's answer to an id outside the vocabulary; such an id cannot even travel as INT64
+            raise generation_error(INVALID_INPUT_IDS)
         start = time.monotonic()
         e2e_deadline = start + srv.e2eTimeout
         whole = None if stream else start + min(srv.tokenTimeout, client_timeout or srv.tokenTimeout)
@@ -167,10 +195,22 @@ async def until_disconnect(request: Request, work):
             task.cancel()
 
 
+async def _replay(head: Chunk | DeadlineExceeded | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """``head`` (already received), then the rest of the stream; closing this closes ``rest``."""
+    try:
+        if isinstance(head, DeadlineExceeded):
+            raise head
+        if head is None:
+            return
+        yield head
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
-
-
 
 
 class SlowReader(Exception):
@@ -211,12 +251,6 @@ class BoundedStreamingResponse(StreamingResponse):
 def json_response(body: dict) -> Response:
     """MindIE's non-stream answer: compact JSON, ``Connection: close``."""
     return Response(compact(body), media_type="application/json", headers={"Connection": "close"})
-
-
-def body_schema(model) -> dict:
-    """OpenAPI request body for routes that read the raw body themselves."""
-    return {"requestBody": {"content": {"application/json": {"schema": model.model_json_schema()}},
-                            "required": True}}
 
 
 async def guard_stream(events: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:

@@ -42,8 +42,13 @@ class TritonError(Exception):
 
 
 class TritonUnavailable(TritonError):
+    """Triton or the model cannot be reached: a failed generation (500, spec §1.2), not overload."""
+
     def __init__(self, message: str):
-        super().__init__(503, message)
+        super().__init__(500, message)
+
+
+TRITON_QUEUE_FULL = "Exceeds maximum queue size"  # Triton's rejection when max_queue_size is reached
 
 
 def _input(name: str, array: np.ndarray, dtype: str) -> InferInput:
@@ -169,6 +174,8 @@ class TritonClient:
                         self._broken_until = time.monotonic() + STUB_RECOVERY_SECONDS
                         self.invalidate()
                         raise TritonUnavailable(message)
+                    if TRITON_QUEUE_FULL in message:  # overload, like the engine's own full queue
+                        status = 503
                     raise TritonError(status, message)
                 chunk = _chunk(result)
                 yield chunk

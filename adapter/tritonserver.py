@@ -5,11 +5,17 @@ the bundled CUDA runtime by RPATH, it needs ``libpython`` on the library path, a
 it ignores the virtualenv unless the model sets ``EXECUTION_ENV_PATH``. This
 module builds a project-owned backend directory and the environment that make it
 work, and assembles the command line with loopback binding and restricted APIs.
+
+Models are loaded explicitly (``--model-control-mode=explicit``): ``llm_unary`` at
+start, ``llm`` through the repository API with its ``config.pbtxt`` plus the settings
+that belong to Triton's scheduler (``ScheduleConfig.maxQueueDelayMicroseconds`` is
+its dynamic batcher's delay), so one settings file drives them too.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -20,6 +26,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace,statistics"
+ADMIN_KEY_HEADER = "mindie-admin-key"  # the header that opens the restricted APIs
 PYTHON_BACKEND_THREADS = 128
 
 
@@ -77,20 +84,30 @@ def triton_env(paths: TritonPaths, config_path: Path) -> dict[str, str]:
     return env
 
 
+def new_admin_key() -> str:
+    return secrets.token_hex(16)
+
+
 def triton_command(
     paths: TritonPaths, settings, model_repository: Path, admin_key: str | None = None,
     shm_prefix: str | None = None,
 ) -> list[str]:
     """The tritonserver command line: loopback by default, admin APIs behind a random key.
 
-    ``shm_prefix`` names the Python backend's /dev/shm regions of this run, so that the
-    supervisor can remove them when a stub or tritonserver dies without unlinking them.
+    Every model of the repository except ``llm`` loads at start; ``llm`` is loaded by
+    :func:`load_llm` with the settings applied. ``shm_prefix`` names the Python backend's
+    /dev/shm regions of this run, so that the supervisor can remove them when a stub or
+    tritonserver dies without unlinking them.
     """
     t = settings.triton
-    key = admin_key or secrets.token_hex(16)
+    key = admin_key or new_admin_key()
+    others = sorted(p.name for p in Path(model_repository).iterdir()
+                    if (p / "config.pbtxt").is_file() and p.name != t.modelName)
     return [
         str(paths.binary),
         f"--model-repository={model_repository}",
+        "--model-control-mode=explicit",
+        *[f"--load-model={name}" for name in others],
         f"--backend-directory={paths.backend_dir}",
         f"--http-address={t.httpAddress}",
         f"--http-port={t.httpPort}",
@@ -102,10 +119,38 @@ def triton_command(
         "--allow-gpu-metrics=false",
         "--allow-cpu-metrics=true",
         "--strict-readiness=true",
-        f"--http-restricted-api={RESTRICTED_APIS}:mindie-admin-key={key}",
-        f"--grpc-restricted-protocol={RESTRICTED_APIS}:mindie-admin-key={key}",
+        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_KEY_HEADER}={key}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_KEY_HEADER}={key}",
         # each running BLS call of llm_unary holds a backend thread until its generation ends
         f"--backend-config=python,thread-pool-size={PYTHON_BACKEND_THREADS}",
         *([f"--backend-config=python,shm-region-prefix-name={shm_prefix}"] if shm_prefix else []),
         "--log-info=true",
     ]
+
+
+def llm_config(model_dir: Path, settings) -> dict:
+    """``model_dir/config.pbtxt`` with the settings that Triton applies, as the load API's JSON."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    if not config.HasField("dynamic_batching"):
+        raise ValueError(f"{model_dir / 'config.pbtxt'} has no dynamic_batching section")
+    config.dynamic_batching.max_queue_delay_microseconds = settings.schedule.maxQueueDelayMicroseconds
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)
+
+
+def load_llm(settings, model_repository: Path, admin_key: str, timeout: float) -> None:
+    """Load the ``llm`` model through Triton's repository API with :func:`llm_config`.
+
+    Returns when the model is loaded; raises ``RuntimeError`` with Triton's message otherwise.
+    """
+    import httpx
+
+    t = settings.triton
+    config = llm_config(Path(model_repository) / t.modelName, settings)
+    r = httpx.post(f"http://{t.httpAddress}:{t.httpPort}/v2/repository/models/{t.modelName}/load",
+                   json={"parameters": {"config": json.dumps(config)}}, headers={ADMIN_KEY_HEADER: admin_key},
+                   timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"Triton could not load {t.modelName}: {r.status_code} {r.text[:500]}")

@@ -44,6 +44,7 @@ def write_settings(tmp: Path, **overrides) -> Path:
                                 exitTimeoutSecs=2)
     sched = data["BackendConfig"]["ScheduleConfig"]
     sched["kvCacheMemoryMiB"] = 256
+    sched["maxQueueDelayMicroseconds"] = 600  # not config.pbtxt's 500: the e2e tests see it applied
     for section, values in overrides.items():
         target = data
         for key in section.split("."):

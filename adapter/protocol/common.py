@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from adapter.errors import MindIEError, validation_error
 
@@ -59,6 +59,17 @@ class ErrorResponse(BaseModel):
 
     error: str
     error_type: str
+
+
+class BodyTooLarge(BaseModel):
+    """The 413 body, which is not the error envelope (spec §1.1)."""
+
+    message: str = Field(examples=["Request body too large. Maximum allowed size is 40MB."])
+
+
+def no_default(schema: dict) -> None:
+    """``json_schema_extra`` for a key that may be left out but not sent as null."""
+    schema.pop("default", None)
 
 
 # --------------------------------------------------------------------------- parsing

@@ -7,15 +7,18 @@ raises the first failure as a 422 :class:`~adapter.errors.MindIEError`.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapter.errors import validation_error
 from adapter.protocol.common import (
+    FLT_MAX,
     INT32_MAX,
     MAX_PROMPT_CHARS,
     SAMPLING_OFF_BELOW,
+    TOP_P_MIN,
+    UINT64_MAX,
     ErrorResponse,
     GenerationPlan,
     Tokenize,
@@ -299,44 +302,56 @@ def _check_restrictions(
 
 
 # --------------------------------------------------------------------------- body models
+# The request model documents exactly the types and ranges parse_completion_request accepts
+# (null is the same as absent, spec §0.1). The route does not validate with it: the order
+# and messages are MindIE's, and combination rules and token limits are only checked above.
+
+Prompt = Union[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)],
+               Annotated[list[int], Field(min_length=1)]]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_TOTAL)]
 
 
-def _loose(description: str, schema: dict | None = None) -> Any:
-    return Field(None, description=description, json_schema_extra=schema)
+class ResponseFormat(BaseModel):
+    """Only ``{"type": "text"}`` in this deployment; ``json_object`` and ``json_schema`` get 422."""
+
+    type: Literal["text"]
 
 
 class CompletionRequest(BaseModel):
-    """Documents the request body; it never rejects anything (validation is above)."""
+    """The ``/v1/completions`` body (spec §2.1). Unknown keys are ignored."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: Any = _loose("Configured modelName.", {"type": "string"})
-    prompt: Any = _loose(
-        "Prompt text, or a non-empty array of token ids.",
-        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
-    )
-    use_beam_search: Any = _loose("Beam search (default false).", {"type": "boolean"})
-    best_of: Any = _loose("[1, 128]; sequences generated without beam search.", {"type": "integer"})
-    n: Any = _loose("[1, 8192] (capped by maxN).", {"type": "integer"})
-    logprobs: Any = _loose("[0, 5] top alternatives per token.", {"type": "integer"})
-    max_tokens: Any = _loose("(0, 2147483647]; default maxIterTimes.", {"type": "integer"})
-    seed: Any = _loose("(0, 18446744073709551615].", {"type": "integer"})
-    stop: Any = _loose(
-        "Stop string(s), plain text.",
-        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    )
-    stop_token_ids: Any = _loose("Stop token ids.", {"type": "array", "items": {"type": "integer"}})
-    include_stop_str_in_output: Any = _loose("Keep the matched stop string.", {"type": "boolean"})
-    stream: Any = _loose("Server-sent events.", {"type": "boolean"})
-    repetition_penalty: Any = _loose("(0.0, 2.0], default 1.0.", {"type": "number"})
-    presence_penalty: Any = _loose("[-2.0, 2.0], default 0.0.", {"type": "number"})
-    frequency_penalty: Any = _loose("[-2.0, 2.0], default 0.0.", {"type": "number"})
-    temperature: Any = _loose(">= 0.0; 0 = greedy.", {"type": "number"})
-    top_p: Any = _loose("(1e-6, 1.0], default 1.0.", {"type": "number"})
-    top_k: Any = _loose("(0, 2147483647]; >= vocab size means vocab size.", {"type": "integer"})
-    ignore_eos: Any = _loose("Keep generating past EOS.", {"type": "boolean"})
-    skip_special_tokens: Any = _loose("Drop special tokens from text (default true).", {"type": "boolean"})
-    response_format: Any = _loose("{'type': 'text'} only in this deployment.", {"type": "object"})
+    model: str = Field(min_length=1, description="A configured modelName.")
+    prompt: Prompt = Field(description="Prompt text (at most 4194304 characters and 1048576 tokens), "
+                                       "or a non-empty array of token ids.")
+    use_beam_search: Optional[bool] = Field(None, description="Beam search (default false).")
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_BEST_OF)]] = Field(
+        None, description="Sequences generated without beam search; capped by maxN.")
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = Field(None, description="Choices; capped by maxN.")
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = Field(
+        None, description="Top alternatives per token.")
+    max_tokens: Optional[Annotated[int, Field(gt=0, le=INT32_MAX)]] = Field(
+        None, description="Default and cap: maxIterTimes.")
+    seed: Optional[Annotated[int, Field(gt=0, le=UINT64_MAX)]] = None
+    stop: Optional[Union[StopString, list[StopString]]] = Field(
+        None, description="Plain stop string(s), at most 32768 characters in all and maxStopCount strings.")
+    stop_token_ids: Optional[list[int]] = Field(
+        None, description="Stop token ids; items that are not int32 ids are ignored.")
+    include_stop_str_in_output: Optional[bool] = Field(
+        None, description="Keep the matched stop string; ignored without stop or stop_token_ids.")
+    stream: Optional[bool] = Field(None, description="Server-sent events.")
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0, le=2.0)]] = Field(None, description="Default 1.0.")
+    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = Field(None, description="Default 0.0.")
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = Field(None, description="Default 0.0.")
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=FLT_MAX)]] = Field(
+        None, description="0 = greedy; default: the model's generation_config.json, else 1.0.")
+    top_p: Optional[Annotated[float, Field(gt=TOP_P_MIN, le=1.0)]] = Field(None, description="Default 1.0.")
+    top_k: Optional[Annotated[int, Field(gt=0, le=INT32_MAX)]] = Field(
+        None, description=">= vocab size means vocab size; default: the model's.")
+    ignore_eos: Optional[bool] = Field(None, description="Keep generating past EOS.")
+    skip_special_tokens: Optional[bool] = Field(None, description="Drop special tokens from text (default true).")
+    response_format: Optional[ResponseFormat] = None
 
 
 class CompletionLogprobs(BaseModel):

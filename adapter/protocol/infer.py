@@ -7,7 +7,7 @@ the first failure as a 422 :class:`~adapter.errors.MindIEError`.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,9 @@ from adapter.protocol.common import (
     INT32_MAX,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
+    TEMPERATURE_MIN_INFER,
+    TOP_P_MIN,
+    UINT64_MAX,
     ErrorResponse,
     GenerationPlan,
     Tokenize,
@@ -31,6 +34,7 @@ from adapter.protocol.common import (
     clamp_top_k,
     is_int,
     json_text,
+    no_default,
     opt_bool,
     opt_int,
     opt_number,
@@ -43,6 +47,7 @@ __all__ = [
     "ErrorResponse",
     "GenerationPlan",
     "InferDetails",
+    "InferInputElement",
     "InferParameters",
     "InferRequest",
     "InferResponse",
@@ -52,6 +57,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 20
+DEFAULT_TEMPERATURE = 1.0  # seed B: a fixed 1.0 here (/v1/completions leaves it to the model)
 DEFAULT_PRIORITY = 5
 MAX_PRIORITY = 5
 DEFAULT_TIMEOUT = 600
@@ -108,7 +114,7 @@ def parse_infer_request(
     max_iter = settings.schedule.maxIterTimes
     sampling: dict[str, Any] = {"max_tokens": min(max_new_tokens or DEFAULT_MAX_NEW_TOKENS, max_iter)}
     optional = {
-        "temperature": temperature,
+        "temperature": DEFAULT_TEMPERATURE if temperature is None else temperature,
         "top_k": None if top_k is None else clamp_top_k(top_k, vocab_size),
         "top_p": top_p,
         "repetition_penalty": repetition_penalty,
@@ -190,45 +196,83 @@ def _check_input_id(input_id: Any) -> list[int]:
 
 
 # --------------------------------------------------------------------------- body models
+# The request models document exactly the types and ranges parse_infer_request accepts (null
+# is the same as absent, spec §0.1, except for inputs and media values). The route does not
+# validate with them: the order and messages are MindIE's, and token limits and media
+# sources are only checked above.
+
+PositiveInt32 = Annotated[int, Field(gt=0, le=INT32_MAX)]
 
 
-def _loose(description: str, schema: dict | None = None) -> Any:
-    return Field(None, description=description, json_schema_extra=schema)
+class MediaUrl(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    url: str
+    detail: Optional[str] = Field(None, description="Only 'auto' has an effect.")
+
+
+MediaValue = Union[str, MediaUrl]
+
+
+class InferInputElement(BaseModel):
+    """One element of a multimodal ``inputs`` list (spec §3.4): ``{"type": T, T: value}``.
+
+    This model reads text only: the first element must be text, and media elements
+    are validated, then refused with 422.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Optional[Literal["text", "image_url", "video_url", "audio_url"]] = Field(
+        None, description="Inferred from the key present when missing.")
+    text: str = Field(None, min_length=1, json_schema_extra=no_default)
+    image_url: MediaValue = Field(None, json_schema_extra=no_default)
+    video_url: MediaValue = Field(None, json_schema_extra=no_default)
+    audio_url: MediaValue = Field(None, json_schema_extra=no_default)
 
 
 class InferParameters(BaseModel):
-    """Documents ``parameters``; it never rejects anything (validation is above)."""
+    """``parameters`` (spec §3.2). Unknown keys are ignored."""
 
     model_config = ConfigDict(extra="allow")
 
-    temperature: Any = _loose("(1e-6, 3.40282e+38], default 1.0.", {"type": "number"})
-    top_k: Any = _loose("(0, 2147483647]; >= vocab size means vocab size.", {"type": "integer"})
-    top_p: Any = _loose("(1e-6, 1.0) open; 1.0 itself is rejected.", {"type": "number"})
-    max_new_tokens: Any = _loose("(0, 2147483647], default 20.", {"type": "integer"})
-    do_sample: Any = _loose("false forces greedy decoding.", {"type": "boolean"})
-    seed: Any = _loose("(0, 18446744073709551615].", {"type": "integer"})
-    repetition_penalty: Any = _loose("> 0.0, default 1.0.", {"type": "number"})
-    details: Any = _loose("Return the details object.", {"type": "boolean"})
-    typical_p: Any = _loose("(0.0, 1.0]; validated, no effect.", {"type": "number"})
-    watermark: Any = _loose("Validated, no effect.", {"type": "boolean"})
-    priority: Any = _loose("[1, 5], default 5; 1 is the most urgent.", {"type": "integer"})
-    timeout: Any = _loose("(0, 3600] seconds, default 600.", {"type": "integer"})
+    temperature: Optional[Annotated[float, Field(gt=TEMPERATURE_MIN_INFER, le=FLT_MAX)]] = Field(
+        None, description="Default 1.0.")
+    top_k: Optional[PositiveInt32] = Field(None, description=">= vocab size means vocab size.")
+    top_p: Optional[Annotated[float, Field(gt=TOP_P_MIN, lt=1.0)]] = Field(
+        None, description="Open interval: 1.0 itself is rejected; absent means no filtering.")
+    typical_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(None, description="Validated, no effect.")
+    do_sample: Optional[bool] = Field(None, description="false forces greedy decoding.")
+    seed: Optional[Annotated[int, Field(gt=0, le=UINT64_MAX)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0, le=FLT_MAX)]] = Field(None, description="Default 1.0.")
+    watermark: Optional[bool] = Field(None, description="Validated, no effect.")
+    priority: Optional[Annotated[int, Field(ge=1, le=MAX_PRIORITY)]] = Field(
+        None, description="Default 5; 1 is the most urgent.")
+    max_new_tokens: Optional[PositiveInt32] = Field(None, description="Default 20; capped by maxIterTimes.")
+    timeout: Optional[Annotated[int, Field(gt=0, le=MAX_TIMEOUT)]] = Field(None, description="Seconds, default 600.")
+    details: Optional[bool] = Field(None, description="Return the details object.")
+
+
+def _one_prompt(schema: dict) -> None:
+    # inputs, or else a non-null input_id; "inputs" present with a non-null input_id is a conflict
+    schema["oneOf"] = [
+        {"required": ["inputs"], "properties": {"input_id": {"type": "null"}}},
+        {"required": ["input_id"], "not": {"required": ["inputs"]}, "properties": {"input_id": {"type": "array"}}},
+    ]
 
 
 class InferRequest(BaseModel):
-    """Documents the ``/infer`` body; it never rejects anything."""
+    """The ``/infer`` body (spec §3.1): ``inputs`` or ``input_id``. Unknown keys are ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_one_prompt)
 
-    inputs: Any = _loose(
-        "Prompt text, or a list of {type, text|image_url|video_url|audio_url} elements.",
-        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
-    )
-    input_id: Any = _loose(
-        "Prompt token ids, instead of inputs.", {"type": "array", "items": {"type": "integer"}}
-    )
-    stream: Any = _loose("Server-sent events.", {"type": "boolean"})
-    parameters: Optional[Union[InferParameters, Any]] = Field(None, description="Sampling parameters.")
+    inputs: Union[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)],
+                  Annotated[list[InferInputElement], Field(min_length=1)]] = Field(
+        None, description="Prompt text, or a list of elements whose first is text.", json_schema_extra=no_default)
+    input_id: Optional[Annotated[list[Annotated[int, Field(ge=0, le=MAX_PROMPT_TOKENS)]], Field(min_length=1)]] = (
+        Field(None, description="Prompt token ids, instead of inputs."))
+    stream: Optional[bool] = Field(None, description="Server-sent events.")
+    parameters: Optional[InferParameters] = None
 
 
 class InferDetails(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import MODEL_NAME
@@ -75,7 +76,6 @@ def test_greedy_is_deterministic(client):
 
 
 def test_openai_client_stream(stack):
-    openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused")
     stream = oc.completions.create(model=MODEL_NAME, prompt="Tell me a story", max_tokens=5,
                                    temperature=0, stream=True,
@@ -87,7 +87,6 @@ def test_openai_client_stream(stack):
 
 
 def test_openai_client_non_stream(stack):
-    openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused")
     out = oc.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, temperature=0,
                                 extra_body={"top_k": 5, "skip_special_tokens": True})

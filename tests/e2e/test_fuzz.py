@@ -1,15 +1,16 @@
-"""Schemathesis against the adapter's OpenAPI document: no 5xx, no response that breaks the schema."""
+"""Schemathesis against the adapter's OpenAPI document: no 5xx for bodies the schema admits
+(positive) or violates (negative), and every 4xx in MindIE's error envelope."""
 
 from __future__ import annotations
 
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
 
 from tests.conftest import MODEL_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
+EXAMPLES = 40  # per path and mode: about 20 s each on two cores
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/infer"])
@@ -18,11 +19,9 @@ def test_no_server_errors(stack, path, mode):
     schema = schemathesis.openapi.from_url(stack.url + "/openapi.json")
     op = schema[path]["POST"]
     strategy = op.as_strategy(generation_mode=getattr(schemathesis.GenerationMode, mode.upper()))
-    from hypothesis import given
+    failures, statuses = [], []
 
-    failures = []
-
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(case=strategy)
     def run(case):
         if isinstance(case.body, dict):
@@ -33,16 +32,15 @@ def test_no_server_errors(stack, path, mode):
             elif isinstance(case.body.get("parameters"), dict):
                 case.body["parameters"]["max_new_tokens"] = 2
         response = case.call(timeout=60)
+        statuses.append(response.status_code)
         if response.status_code >= 500:
             failures.append((case.body, response.status_code, response.text[:200]))
-        if response.status_code == 422:
+        elif response.status_code >= 400 and response.status_code != 413:
             body = response.json()
             assert list(body) == ["error", "error_type"], body
 
-    try:
-        run()
-    except Unsatisfiable:
-        # the request schema admits every JSON object (validation is MindIE's own code), so
-        # schemathesis can build no schema-violating body for this operation
-        pytest.skip(f"no negative cases exist for {path}'s schema")
+    run()
     assert not failures, failures[:3]
+    assert len(statuses) >= EXAMPLES // 2, statuses  # cases were generated and sent
+    if mode == "negative":
+        assert statuses.count(422) >= len(statuses) // 2, statuses  # schema violations are rejected

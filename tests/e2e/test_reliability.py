@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import trustme
 
 from tests.conftest import MODEL_NAME, wait_for
 
@@ -254,7 +255,6 @@ def test_api_key(adapter_with):
 
 
 def test_tls(adapter_with, tmp_path):
-    trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
     cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))

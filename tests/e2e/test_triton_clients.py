@@ -86,3 +86,17 @@ def test_cancelled_stream_is_dropped_by_the_engine(stack):
         return stack.engine_metric("llm_request_cancelled_total") - before
 
     assert asyncio.run(run()) >= 1
+
+
+def test_the_settings_batching_delay_is_what_triton_runs(stack):
+    """ScheduleConfig.maxQueueDelayMicroseconds (600 in the test settings) replaces config.pbtxt's 500."""
+    import httpx
+
+    config = httpx.get(f"{stack.triton_http}/v2/models/llm/config", timeout=10).json()
+    assert int(config["dynamic_batching"]["max_queue_delay_microseconds"]) == 600
+    assert stack.settings.schedule.maxQueueDelayMicroseconds == 600
+    unary = httpx.get(f"{stack.triton_http}/v2/models/llm_unary/config", timeout=10).json()
+    assert int(unary["dynamic_batching"]["max_queue_delay_microseconds"]) == 500  # its own config.pbtxt
+    # the repository API stays closed without the launcher's key
+    r = httpx.post(f"{stack.triton_http}/v2/repository/models/llm/unload", timeout=10)
+    assert r.status_code in (401, 403), r.text

@@ -1,4 +1,8 @@
-"""Triton unreachable at the adapter's start and mid-run: fast 503s, then reconnection.
+"""Triton unreachable at the adapter's start and mid-run: fast 500s, then reconnection.
+
+Spec §1.2 answers enqueue failures other than argument errors with 500 "Incomplete
+Generation" and keeps 503 for a stopping service (and, in this project, for overload), so
+an unreachable Triton is a 500 (it was a 503 before the status audit).
 
 A TCP proxy stands between the adapter and the stack's Triton gRPC port; stopping it is
 Triton going away (listener gone, open connections reset), starting it is Triton coming back.
@@ -86,10 +90,14 @@ def test_triton_unreachable_at_start_and_mid_run(stack, adapter_with):
     a = adapter_with(triton={"grpcAddress": "127.0.0.1", "grpcPort": proxy.port})
     try:
         a.wait()
-        # unreachable at start: fast 503s, and readiness says so
+        # unreachable at start: fast 500s, and readiness says so
         started = time.monotonic()
         r = _post(a.url)
-        assert r.status_code == 503, r.text
+        assert r.status_code == 500, r.text
+        assert r.json()["error_type"] == "Incomplete Generation"
+        assert "retry-after" not in r.headers
+        with httpx.stream("POST", a.url + "/infer", json={"inputs": "Hi", "stream": True}, timeout=60) as s:
+            assert s.status_code == 500 and s.read().startswith(b'{"error":')  # before any stream byte
         assert time.monotonic() - started < 5
         assert httpx.get(a.url + "/v2/health/ready", timeout=10).status_code == 503
         # Triton comes: the adapter connects
@@ -114,12 +122,12 @@ def test_triton_unreachable_at_start_and_mid_run(stack, adapter_with):
         assert not t.is_alive(), "the stream hung after Triton went away"
         assert '"error' in events[-1], events[-3:]
         started = time.monotonic()
-        assert _post(a.url).status_code == 503
+        assert _post(a.url).status_code == 500
         assert time.monotonic() - started < 5
         # a longer outage (gRPC's reconnect backoff would grow), then Triton comes back
         until = time.monotonic() + 8
         while time.monotonic() < until:
-            assert _post(a.url).status_code == 503
+            assert _post(a.url).status_code == 500
             time.sleep(0.5)
         proxy.start()
         assert wait_for(lambda: _post(a.url).status_code == 200, timeout=6)

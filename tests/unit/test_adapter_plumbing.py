@@ -1,4 +1,5 @@
-"""Adapter and launcher pieces that need no server: the slow-reader guard, /dev/shm cleanup."""
+"""Adapter and launcher pieces that need no server: the slow-reader guard, /dev/shm cleanup,
+the mapping of engine and Triton failures to MindIE statuses."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import asyncio
 
 import pytest
 
+from adapter.errors import overloaded_error
 from adapter.launch import remove_shm_leftovers
-from adapter.service import BoundedStreamingResponse, SlowReader
+from adapter.service import BoundedStreamingResponse, SlowReader, to_mindie
+from adapter.triton import TritonError, TritonUnavailable
 
 
 def test_a_stalled_write_cancels_the_stream_and_closes_its_source():
@@ -63,3 +66,54 @@ def test_shm_leftovers_of_a_stopped_tritonserver_are_removed(tmp_path):
     removed = remove_shm_leftovers("mindie_triton_42_0_", 777, shm=tmp_path)
     assert sorted(removed) == ["mindie-triton-cancel-777", "mindie_triton_42_0_3f2a"]
     assert other.exists() and foreign.exists() and not mine.exists() and not flags.exists()
+
+
+@pytest.mark.parametrize("error, status, error_type, retry_after", [
+    (TritonError(400, "top_p must be in (1e-06, 1.0], got 0"), 422, "Input Validation Error", None),
+    (TritonError(424, "Failed to enqueue inferRequest. Invalid Input Ids"), 424, "Generation Error", None),
+    (TritonError(500, "generation failed: boom"), 500, "Incomplete Generation", None),
+    (TritonError(504, "Engine callback timeout: client timeout"), 500, "Incomplete Generation", None),
+    # spec §1.2: "other enqueue failures" are 500, 503 is for a stopping service ...
+    (TritonUnavailable("Triton is unavailable: UNAVAILABLE: failed to connect"), 500, "Incomplete Generation",
+     None),
+    # ... and, the project's deliberate addition, for overload (load shedding, with Retry-After)
+    (TritonError(503, "the engine queue is full (2000 waiting requests)"), 503, "Service Unavailable", "1"),
+])
+def test_engine_and_triton_failures_map_to_mindie_statuses(error, status, error_type, retry_after):
+    err = to_mindie(error)
+    assert (err.status, err.error_type, err.message) == (status, error_type, error.message)
+    assert err.headers.get("Retry-After") == retry_after
+
+
+def test_error_headers_reach_the_response():
+    from fastapi.testclient import TestClient
+    from llm_engine.config import Settings
+
+    from adapter.app import create_app
+
+    app = create_app(Settings(), tokenizer=object())
+
+    @app.get("/boom")
+    async def boom():
+        raise overloaded_error("the engine queue is full")
+
+    r = TestClient(app).get("/boom")  # no lifespan: no Triton client is needed
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.content == b'{"error":"the engine queue is full","error_type":"Service Unavailable"}'
+
+
+def test_an_unexpected_error_is_a_500_in_the_mindie_envelope():
+    from fastapi.testclient import TestClient
+    from llm_engine.config import Settings
+
+    from adapter.app import create_app
+
+    app = create_app(Settings(), tokenizer=object())
+
+    @app.get("/bug")
+    async def bug():
+        raise OverflowError("Python int too large to convert to C long")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/bug")
+    assert r.status_code == 500
+    assert r.json() == {"error": "Failed to get engine response.", "error_type": "Incomplete Generation"}

@@ -1,4 +1,5 @@
-"""The two config.pbtxt files against the documented tensor contract (llm_engine.contract)."""
+"""The two config.pbtxt files against the documented tensor contract (llm_engine.contract), and
+the llm config the launcher loads (config.pbtxt plus ScheduleConfig.maxQueueDelayMicroseconds)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,33 @@ def test_variable_length_inputs_batch_raggedly(model):
     for name, entry in _tensors(model, "input").items():
         if "-1" in re.search(r"dims:\s*\[([^\]]*)\]", entry).group(1):
             assert "allow_ragged_batch: true" in entry, f"{model}.{name}"
+
+
+def test_the_loaded_llm_config_is_config_pbtxt_with_the_settings_delay():
+    from google.protobuf import json_format, text_format
+    from llm_engine.config import Settings
+    from tritonclient.grpc import model_config_pb2
+
+    from adapter.tritonserver import llm_config
+
+    settings = Settings()
+    settings.schedule.maxQueueDelayMicroseconds = 1234
+    loaded = llm_config(ROOT / "model_repository" / "llm", settings)
+    assert loaded["dynamic_batching"]["max_queue_delay_microseconds"] == "1234"  # int64: a JSON string
+    pbtxt = text_format.Parse((ROOT / "model_repository" / "llm" / "config.pbtxt").read_text(),
+                              model_config_pb2.ModelConfig())
+    assert pbtxt.dynamic_batching.max_queue_delay_microseconds == 500
+    pbtxt.dynamic_batching.max_queue_delay_microseconds = 1234
+    assert loaded == json_format.MessageToDict(pbtxt, preserving_proto_field_name=True)  # nothing else changes
+
+
+def test_triton_loads_llm_itself_and_every_other_model_at_start(tmp_path):
+    from llm_engine.config import Settings
+
+    from adapter.tritonserver import TritonPaths, triton_command
+
+    cmd = triton_command(TritonPaths(tmp_path / "tritonserver", tmp_path, []), Settings(),
+                         ROOT / "model_repository", admin_key="k")
+    assert "--model-control-mode=explicit" in cmd
+    assert [c for c in cmd if c.startswith("--load-model")] == ["--load-model=llm_unary"]
+    assert "--http-restricted-api=model-repository,shared-memory,logging,trace,statistics:mindie-admin-key=k" in cmd

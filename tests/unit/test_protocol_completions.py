@@ -479,11 +479,17 @@ def test_stop_length_counts_characters():
 # ------------------------------------------------------------------ models
 
 
-def test_request_model_rejects_nothing_and_documents_fields():
-    CompletionRequest.model_validate({"model": 5, "prompt": {"x": 1}, "n": "many", "unknown": 1})
+def test_request_model_documents_types_and_ranges():
+    """The model was a loose, accept-anything document; it now states the real types and ranges
+    for the OpenAPI document (tests/unit/test_openapi.py checks it against the BAD table). The
+    route still validates with parse_completion_request, for MindIE's order and messages."""
     schema = CompletionRequest.model_json_schema()
     assert {"model", "prompt", "stop", "top_k"} <= set(schema["properties"])
-    assert schema["properties"]["model"]["type"] == "string"
+    assert schema["required"] == ["model", "prompt"] and schema["additionalProperties"] is True
+    assert schema["properties"]["model"] == {"description": "A configured modelName.", "minLength": 1,
+                                             "title": "Model", "type": "string"}
+    assert schema["properties"]["top_p"]["anyOf"][0] == {"exclusiveMinimum": 1e-6, "maximum": 1.0, "type": "number"}
+    CompletionRequest.model_validate({**BASE, "unknown": 1})
 
 
 def test_response_models_key_order():

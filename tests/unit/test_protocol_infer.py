@@ -197,13 +197,15 @@ def test_l2_and_tokenizer_errors():
 
 
 def test_defaults():
+    # temperature: seed B fixes /infer's default at 1.0, so it is sent; /v1/completions leaves it
+    # unset for the model's generation_config.json default (spec §2.1)
     assert parse(BASE) == GenerationPlan(
         endpoint="infer",
         model=None,
         prompt_text=BASE["inputs"],
         prompt_ids=None,
         stream=False,
-        sampling={"max_tokens": 20, "priority": 5, "timeout": 600},
+        sampling={"max_tokens": 20, "temperature": 1.0, "priority": 5, "timeout": 600},
         details=False,
         num_choices=1,
         logprobs=None,
@@ -322,10 +324,16 @@ def test_media_urls_are_validated_for_text_only_models(monkeypatch):
 # ------------------------------------------------------------------ models
 
 
-def test_request_model_rejects_nothing():
-    InferRequest.model_validate({"inputs": 5, "parameters": 7, "stream": "x"})
-    InferRequest.model_validate({"inputs": "a", "parameters": {"temperature": "hot"}})
-    assert "parameters" in InferRequest.model_json_schema()["properties"]
+def test_request_model_documents_types_and_ranges():
+    """The model was a loose, accept-anything document; it now states the real types and ranges
+    for the OpenAPI document (tests/unit/test_openapi.py checks it against the BAD table). The
+    route still validates with parse_infer_request, for MindIE's order and messages."""
+    schema = InferRequest.model_json_schema()
+    assert set(schema["properties"]) == {"inputs", "input_id", "stream", "parameters"}
+    assert "default" not in schema["properties"]["inputs"]  # may be left out, but not null
+    params = schema["$defs"]["InferParameters"]["properties"]
+    assert params["top_p"]["anyOf"][0] == {"exclusiveMaximum": 1.0, "exclusiveMinimum": 1e-6, "type": "number"}
+    InferRequest.model_validate({"inputs": "a", "parameters": {"top_k": 5}, "unknown": 1})
 
 
 def test_response_models():

@@ -6,19 +6,23 @@ by default, or the path in ``$MINDIE_TRITON_CONFIG``). Its layout follows MindIE
 ``ModelDeployConfig`` (model, lengths) and ``ScheduleConfig`` (batching), plus a
 ``TritonConfig`` section for this project's Triton wiring.
 Unknown keys are ignored so that a MindIE config file can be reused as it is.
+Ranges, and the checks between keys, are MindIE's (spec §5); an error names the key.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CONFIG_ENV = "MINDIE_TRITON_CONFIG"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,256}")  # spec §5
 
 
 class _Section(BaseModel):
@@ -29,7 +33,7 @@ class ServerSection(_Section):
     """HTTP plane of the adapter (MindIE ``ServerConfig``)."""
 
     ipAddress: str = "127.0.0.1"
-    port: int = Field(1025, ge=1, le=65535)
+    port: int = Field(1025, ge=1024, le=65535)
     httpsEnabled: bool = False
     tlsCert: str = ""
     tlsPk: str = ""
@@ -45,6 +49,15 @@ class ServerSection(_Section):
     streamWriteTimeout: float = Field(
         30.0, gt=0, description="seconds one SSE write may wait on a client that stopped reading")
 
+    @field_validator("ipAddress")
+    @classmethod
+    def _ip(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"ipAddress must be an IPv4 or IPv6 address, got {value!r}") from None
+        return value
+
 
 class ModelSection(_Section):
     modelName: str = DEFAULT_MODEL_NAME
@@ -56,6 +69,13 @@ class ModelSection(_Section):
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
     cpuThreads: int = Field(
         0, ge=0, description="torch threads on CPU; 0 = $OMP_NUM_THREADS if set, else cores - 1")
+
+    @field_validator("modelName")
+    @classmethod
+    def _model_name(cls, value: str) -> str:
+        if not MODEL_NAME.fullmatch(value):
+            raise ValueError(f"modelName must be 1 to 256 characters of A-Z a-z 0-9 . _ -, got {value!r}")
+        return value
 
 
 class ModelDeploySection(_Section):
@@ -77,7 +97,11 @@ class ScheduleSection(_Section):
     maxPrefillBatchSize: int = Field(50, ge=1)
     maxPrefillTokens: int = Field(8192, ge=1)
     maxIterTimes: int = Field(512, ge=1)
-    maxQueueDelayMicroseconds: int = Field(5000, ge=500, le=1000000)
+    maxQueueDelayMicroseconds: int = Field(
+        500, ge=500, le=1000000,
+        description="Triton's dynamic-batching delay for the llm model, applied by the launcher at load "
+                    "(MindIE's default is 5000; the engine batches per step itself, so waiting longer only "
+                    "delays first tokens)")
     maxN: int = Field(128, ge=1, le=8192)
     cacheBlockSize: int = Field(16, ge=1, le=128)
     kvCacheBlocks: int = Field(0, ge=0, description="0 = size from kvCacheMemoryMiB")
@@ -85,11 +109,30 @@ class ScheduleSection(_Section):
     maxWaitingRequests: int = Field(2000, ge=1, description="engine queue bound")
     enablePrefixCache: bool = True
 
+    @model_validator(mode="after")
+    def _within_batch(self):
+        for key in ("maxPrefillBatchSize", "maxN"):
+            if getattr(self, key) > self.maxBatchSize:
+                raise ValueError(f"ScheduleConfig.{key} ({getattr(self, key)}) must be <= "
+                                 f"ScheduleConfig.maxBatchSize ({self.maxBatchSize})")
+        return self
+
 
 class BackendSection(_Section):
     npuDeviceIds: list[list[int]] = Field(default_factory=lambda: [[0]])
     ModelDeployConfig: ModelDeploySection = Field(default_factory=ModelDeploySection)
     ScheduleConfig: ScheduleSection = Field(default_factory=ScheduleSection)
+
+    @model_validator(mode="after")
+    def _lengths(self):
+        deploy, sched = self.ModelDeployConfig, self.ScheduleConfig
+        if sched.maxIterTimes > deploy.maxSeqLen:
+            raise ValueError(f"ScheduleConfig.maxIterTimes ({sched.maxIterTimes}) must be <= "
+                             f"ModelDeployConfig.maxSeqLen ({deploy.maxSeqLen})")
+        if sched.maxPrefillTokens < deploy.maxInputTokenLen:
+            raise ValueError(f"ScheduleConfig.maxPrefillTokens ({sched.maxPrefillTokens}) must be >= "
+                             f"ModelDeployConfig.maxInputTokenLen ({deploy.maxInputTokenLen})")
+        return self
 
 
 class TritonSection(_Section):

@@ -3,7 +3,10 @@
 Every response of the decoupled model describes one step of one sequence
 (``index`` says which of the request's ``n``/``best_of`` sequences). The request's
 last response carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``; clients stop on it.
-Shapes below exclude the leading batch dimension (``max_batch_size`` > 0).
+A failure is not a finish reason: it is a single error response (also final) whose
+message starts with the HTTP status, ``[424] ...`` (:mod:`llm_engine.errors`).
+Shapes below exclude the leading batch dimension (``max_batch_size`` > 0). Every
+input is optional; ``input_ids`` wins when both it and ``text_input`` are given.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class Tensor:
 
 INPUTS: tuple[Tensor, ...] = (
     Tensor("text_input", "BYTES", (1,), True, "UTF-8 prompt; give this or input_ids"),
-    Tensor("input_ids", "INT64", (-1,), True, "prompt token ids, instead of text_input"),
+    Tensor("input_ids", "INT64", (-1,), True, "prompt token ids; used when both are given"),
     Tensor("stream", "BOOL", (1,), True, "true: one response per step; false: one per sequence"),
     Tensor("sampling_parameters", "BYTES", (1,), True, "JSON object, see params.py"),
 )
@@ -34,7 +37,7 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("text_output", "BYTES", (1,), doc="text added by this response (whole text if stream=false)"),
     Tensor("index", "INT32", (1,), doc="sequence index within the request (0..best_of-1)"),
     Tensor("token_ids", "INT64", (-1,), doc="token ids generated in this response"),
-    Tensor("finish_reason", "BYTES", (1,), doc="'' while running, else stop|length|cancelled|error"),
+    Tensor("finish_reason", "BYTES", (1,), doc="'' while running, else stop|length|cancelled (errors are error responses)"),
     Tensor("prompt_tokens", "INT32", (1,), doc="prompt length in tokens"),
     Tensor("cached_tokens", "INT32", (1,), doc="prompt tokens served from the prefix cache"),
     Tensor("completion_tokens", "INT32", (1,), doc="tokens generated so far by this sequence"),
@@ -61,8 +64,7 @@ def cancel_flag_dir() -> str:
 
 FINISH_STOP = "stop"  # EOS, stop string or stop token id
 FINISH_LENGTH = "length"  # max tokens, maxIterTimes, maxSeqLen, max_position_embeddings
-FINISH_CANCELLED = "cancelled"
-FINISH_ERROR = "error"
+FINISH_CANCELLED = "cancelled"  # the client cancelled; the engine dropped the sequence
 
 
 def input_names() -> list[str]:

@@ -21,8 +21,9 @@ from . import contract
 from .batch import build_step_input
 from .beam_steps import BeamSteps
 from .detokenizer import IncrementalDetokenizer
-from .errors import EngineError, EnqueueRejected, Overloaded, RequestTimeout
+from .errors import EngineError, EnqueueRejected, InvalidParameter, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
+from .params import SamplingParams
 from .runner import ModelRunner, StepInput
 from .sampler import RowSpec, sample
 from .scheduler import Plan, Scheduler
@@ -42,6 +43,22 @@ class EngineLimits:
     truncation: int
     default_top_k: int
     vocab_size: int
+    default_temperature: float = 1.0
+
+
+def fill_defaults(p: SamplingParams, lim: EngineLimits) -> None:
+    """Give unset sampling parameters the model's defaults (spec §2.1, §2.2).
+
+    ``top_k``: generation_config.json, then config.json, then 1000; ``temperature``:
+    generation_config.json, else 1.0 (both read by :func:`llm_engine.weights.model_limits`).
+    """
+    if p.top_k is None:
+        p.top_k = lim.default_top_k
+    if p.temperature is None:
+        p.temperature = lim.default_temperature
+        if p.num_sequences > 1 and p.greedy and not p.use_beam_search:
+            raise InvalidParameter("n/best_of > 1 needs temperature > 0, and the model's default "
+                                   f"temperature is {p.temperature}")
 
 
 class Engine:
@@ -108,8 +125,7 @@ class Engine:
             room = min(room, lim.max_position_embeddings - n)
         req.max_new_tokens = max(1, min(p.max_tokens or lim.max_iter_times, lim.max_iter_times, room))
         req.seed = p.seed if p.seed is not None else random.getrandbits(32)
-        if p.top_k is None:
-            p.top_k = lim.default_top_k
+        fill_defaults(p, lim)
         req.sequences = [self._new_sequence(req, 0, list(req.prompt_ids))]
 
     def submit(self, req: Request) -> None:

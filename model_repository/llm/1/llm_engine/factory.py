@@ -53,7 +53,7 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
         max_seq_len=deploy.maxSeqLen, max_input_len=deploy.maxInputTokenLen,
         max_iter_times=sched.maxIterTimes, max_position_embeddings=info["max_position_embeddings"],
         truncation=deploy.truncation, default_top_k=info["default_top_k"],
-        vocab_size=info["vocab_size"] or runner.vocab_size,
+        vocab_size=info["vocab_size"] or runner.vocab_size, default_temperature=info["default_temperature"],
     )
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -61,11 +61,14 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
         eos_ids.append(tokenizer.eos_token_id)
     engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics)
     log.info(
-        "engine ready in %.1fs: device=%s threads=%d dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) maxBatchSize=%d "
-        "maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s",
-        time.monotonic() - t0, device, torch.get_num_threads(), str(dtype).removeprefix("torch."), num_blocks, block_size,
+        "engine ready in %.1fs: device=%s threads=%d dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
+        "maxBatchSize=%d maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s "
+        "default top_k=%d temperature=%g",
+        time.monotonic() - t0, device, torch.get_num_threads(), str(dtype).removeprefix("torch."), num_blocks,
+        block_size,
         num_blocks * block_size * per_token / 2**20, sched.maxBatchSize, sched.maxPrefillTokens,
-        deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids,
+        deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids, limits.default_top_k,
+        limits.default_temperature,
     )
     torch.set_grad_enabled(False)
     return engine

@@ -21,8 +21,8 @@ INT32_MAX = 2**31 - 1
 @dataclass
 class SamplingParams:
     max_tokens: Optional[int] = None  # None: maxIterTimes
-    temperature: float = 1.0  # 0 = greedy
-    top_k: Optional[int] = None  # None: the model's default (generation_config or 1000)
+    temperature: Optional[float] = None  # 0 = greedy; None: the model's default (generation_config, else 1.0)
+    top_k: Optional[int] = None  # None: the model's default (generation_config, config.json, else 1000)
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -43,7 +43,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.do_sample is False
+        """Whether sampling is off. An unset temperature counts as sampling here: the engine
+        fills the model's default in (:func:`llm_engine.engine.fill_defaults`) and checks again."""
+        return (self.temperature is not None and self.temperature < 1e-6) or self.do_sample is False
 
     @property
     def num_sequences(self) -> int:

@@ -98,16 +98,31 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
+DEFAULT_TOP_K = 1000  # spec §2.2 (atb backend): neither the request nor the checkpoint sets one
+DEFAULT_TEMPERATURE = 1.0  # spec §2.1: unless generation_config.json sets one
+
+
 def model_limits(model_dir: Path) -> dict:
-    """Values the API needs from the checkpoint: vocab size, max positions, default top_k."""
+    """Values the API needs from the checkpoint: vocab size, max positions, sampling defaults.
+
+    ``default_top_k``: ``generation_config.json`` ``top_k``, then ``config.json`` ``top_k``,
+    then 1000. ``default_temperature``: ``generation_config.json`` ``temperature``, else 1.0.
+    A key that is absent, null or 0 (top_k) counts as unset.
+    """
     cfg = json.loads((model_dir / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
     gen_path = model_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    top_k = gen.get("top_k", cfg.get("top_k"))
+    top_k = gen.get("top_k") or cfg.get("top_k") or DEFAULT_TOP_K
+    temperature = gen.get("temperature")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+        if temperature is not None:
+            log.warning("ignoring generation_config.json temperature %r; using %s", temperature,
+                        DEFAULT_TEMPERATURE)
+        temperature = DEFAULT_TEMPERATURE
     return {
         "vocab_size": int(text_cfg.get("vocab_size") or text_cfg.get("padded_vocab_size") or 0),
         "max_position_embeddings": int(text_cfg.get("max_position_embeddings") or 0),
-        "default_top_k": int(top_k) if top_k else 1000,
-        "default_temperature": float(gen.get("temperature", 1.0)) if "temperature" in gen else 1.0,
+        "default_top_k": int(top_k),
+        "default_temperature": float(temperature),
     }
