@@ -1,10 +1,10 @@
-"""MindIE protocol features through the real stack: n/best_of, beam search, logprobs, stops, full text."""
+"""MindIE protocol features through the real stack: n/best_of, beam search, logprobs, stops
+(fullTextEnabled on both endpoints: test_params_e2e.py)."""
 
 from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
@@ -102,14 +102,3 @@ def test_infer_multimodal_list_uses_first_text(client):
     bad = client.post("/infer", json={"inputs": [{"type": "image_url", "image_url": "http://127.0.0.1/x.png"}]})
     assert bad.status_code == 422
 
-
-def test_full_text_enabled(adapter_with):
-    a = adapter_with(fullTextEnabled=True)
-    a.wait()
-    with httpx.Client(timeout=60) as c, c.stream("POST", a.url + "/infer", json={
-            "inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 4}}) as r:
-        raw = r.read()
-    evs = [json.loads(e) for e in events(raw)]
-    texts = [e["token"]["text"] for e in evs[:-1]]
-    assert all(texts[i].startswith(texts[i - 1]) for i in range(1, len(texts)))
-    assert evs[-1]["token"]["text"] is None and evs[-1]["generated_text"].startswith(texts[-1])
