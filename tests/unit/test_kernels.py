@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llm_engine.linear import is_batch_invariant, make_linear, packing_supported
-from llm_engine.runner import matmul_attention
+from llm_engine.runner import matmul_attention, rotate, sdpa_attention
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,6 +42,11 @@ def _decode_mask(lengths, lk):
     return (torch.arange(lk)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
 
 
+def _runner_layout(q, k, v):
+    """SDPA's ``[B, H, L, D]`` tensors in the runner's: token-major queries, head-major keys."""
+    return q.transpose(1, 2).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_matmul_attention_matches_sdpa_for_batched_decode(dtype, tol):
     torch.manual_seed(0)
@@ -49,8 +54,10 @@ def test_matmul_attention_matches_sdpa_for_batched_decode(dtype, tol):
     q = torch.randn(b, h, 1, d, dtype=dtype)
     k, v = torch.randn(b, kv, lk, d, dtype=dtype), torch.randn(b, kv, lk, d, dtype=dtype)
     mask = _decode_mask([40, 1, 17, 33, 5, 40], lk)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
-    torch.testing.assert_close(matmul_attention(q, k, v, mask, d**-0.5), ref, rtol=tol, atol=tol)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True).transpose(1, 2)
+    qr, kr, vr = _runner_layout(q, k, v)
+    torch.testing.assert_close(matmul_attention(qr, kr, vr, ~mask, d**-0.5), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(sdpa_attention(qr, kr, vr, mask, d**-0.5), ref, rtol=tol, atol=tol)
 
 
 def test_matmul_attention_matches_sdpa_for_padded_prefill_chunks():
@@ -60,8 +67,23 @@ def test_matmul_attention_matches_sdpa_for_padded_prefill_chunks():
     k, v = torch.randn(p, kv, lk, d), torch.randn(p, kv, lk, d)
     offset = torch.tensor([4, 0, 2])[:, None, None]  # cached tokens before each chunk
     mask = (torch.arange(lk)[None, None, :] <= offset + torch.arange(lq)[None, :, None])[:, None]
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
-    torch.testing.assert_close(matmul_attention(q, k, v, mask, 0.125), ref, rtol=1e-5, atol=1e-5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+    qr, kr, vr = _runner_layout(q, k, v)
+    torch.testing.assert_close(matmul_attention(qr, kr, vr, ~mask, 0.125), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_is_bit_identical_to_the_rotate_half_form(dtype):
+    torch.manual_seed(2)
+    t, heads, d = 5, 12, 64
+    x = torch.randn(t, heads, d, dtype=dtype)
+    angles = torch.rand(t, 1, d // 2) * 10
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    ref = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    sin_signed = torch.cat([-sin[..., : d // 2], sin[..., d // 2 :]], -1)
+    assert torch.equal(rotate(x, cos, sin_signed), ref)
 
 
 def test_cpu_threads_leave_a_core_unless_told(monkeypatch):

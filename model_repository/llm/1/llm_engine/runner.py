@@ -52,28 +52,49 @@ class PrefillBatch:
     shape: tuple[int, int, int]  # P, Lq, Lk
 
 
-def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Grouped-query attention as two batched matmuls: ``q [B, H, Lq, D]`` over ``k, v [B, KV, Lk, D]``.
+    """Grouped-query attention as two batched matmuls.
 
-    ``mask [B, 1, Lq, Lk]`` is True where a query may attend. Softmax runs in float32.
-    On CPU in bf16/fp16, ``scaled_dot_product_attention`` with a mask is 4-9x slower than
-    this for batched decode (measured at 32 rows, 40-400 keys), so the runner uses it there,
-    at every batch size: each row's result is then the same alone or in a batch, and with
-    any padding of the keys (masked keys add exact zeros), which seeded sampling needs.
+    ``q [B, Lq, H, D]`` (token-major, as the projections produce it) attends over head-major
+    ``k, v [KV, B, Lk, D]`` (as the paged cache gathers them, with no further copy);
+    ``blocked [B, 1, Lq, Lk]`` is True where a query may *not* attend. Returns ``[B, Lq, H, D]``.
+    Softmax runs in float32. On CPU in bf16/fp16, ``scaled_dot_product_attention`` with a
+    mask is 4-9x slower than this for batched decode (measured at 32 rows, 40-400 keys),
+    so the runner uses it there, at every batch size: each row's result is then the same
+    alone or in a batch, and with any padding of the keys (masked keys add exact zeros),
+    which seeded sampling needs.
     """
-    b, h, lq, d = q.shape
-    kv = k.shape[1]
+    b, lq, h, d = q.shape
+    kv = k.shape[0]
     g = h // kv
-    scores = torch.matmul(q.reshape(b, kv, g * lq, d), k.transpose(-1, -2)).view(b, kv, g, lq, -1).float()
-    scores = scores.mul_(scale).masked_fill_(~mask[:, :, None], float("-inf"))
+    qh = q.view(b, lq, kv, g, d).permute(2, 0, 3, 1, 4).reshape(kv, b, g * lq, d)
+    scores = torch.matmul(qh, k.transpose(-1, -2)).view(kv, b, g, lq, -1).float()
+    scores = scores.mul_(scale).masked_fill_(blocked.reshape(1, b, 1, lq, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs.view(b, kv, g * lq, -1), v).view(b, h, lq, d)
+    out = torch.matmul(probs.view(kv, b, g * lq, -1), v)  # [KV, B, g*Lq, D]
+    return out.view(kv, b, g, lq, d).permute(1, 3, 0, 2, 4).reshape(b, lq, h, d)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """:func:`matmul_attention`'s contract through ``scaled_dot_product_attention``
+    (``allowed`` is True where a query may attend)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, ``x * cos + rotate_half(x) * sin``, in four ops for all heads at once.
+
+    ``sin_signed`` is ``sin`` with its first half negated, so that swapping the halves of
+    ``x`` (one ``flip``) stands in for ``rotate_half``: the same products and sums, so the
+    same numbers as the usual form.
+    """
+    t, heads, d = x.shape
+    swapped = x.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)
+    return x * cos + swapped * sin_signed
 
 
 class ModelRunner:
@@ -94,16 +115,20 @@ class ModelRunner:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.dummy_slot = self.num_slots  # always zero, used to pad contexts
-        shape = (len(self.layers), 2, self.num_slots + 1, self.num_kv_heads, self.head_dim)
+        # Head-major pool: gathering a context gives [KV, tokens, D], what attention multiplies.
+        shape = (len(self.layers), 2, self.num_kv_heads, self.num_slots + 1, self.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         with torch.inference_mode():
             pos = torch.arange(max_positions, device=device)
             probe = torch.zeros(1, dtype=dtype, device=device)
             cos, sin = self.inner.rotary_emb(probe, pos[None])
         self.cos, self.sin = cos[0], sin[0]  # [P, head_dim]
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # Masked attention: SDPA, except on CPU at reduced precision (see matmul_attention).
         self.matmul_attention = device.type == "cpu" and dtype != torch.float32
+        self._attend = matmul_attention if self.matmul_attention else sdpa_attention
         self._fuse_projections()
 
     def _fuse_projections(self) -> None:
@@ -144,8 +169,8 @@ class ModelRunner:
         """The fused ``F.rms_norm`` for the standard RMSNorm classes; the module itself otherwise."""
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if type(module).__name__ in FUSABLE_NORMS and eps is not None and module.weight.dtype != torch.float32:
-            shape, weight = (module.weight.shape[0],), module.weight
-            return lambda x: F.rms_norm(x.float(), shape, weight.float(), eps).to(x.dtype)
+            shape, weight = (module.weight.shape[0],), module.weight.detach().float()
+            return lambda x: F.rms_norm(x.float(), shape, weight, eps).to(x.dtype)
         if type(module).__name__ in FUSABLE_NORMS and eps is not None:
             shape, weight = (module.weight.shape[0],), module.weight
             return lambda x: F.rms_norm(x, shape, weight, eps)
@@ -162,52 +187,62 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
         for src, dst in copies:
-            self.kv[:, :, dst * bs : (dst + 1) * bs] = self.kv[:, :, src * bs : (src + 1) * bs]
+            self.kv[:, :, :, dst * bs : (dst + 1) * bs] = self.kv[:, :, :, src * bs : (src + 1) * bs]
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Run the model; return float32 logits ``[R, vocab]`` for ``step.logit_rows``."""
         h = self.inner.embed_tokens(step.input_ids)
         cos = self.cos[step.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[step.positions].unsqueeze(1)
+        sin = self.sin_signed[step.positions].unsqueeze(1)
+        masks = self._step_masks(step)
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer.self_attn, self.input_norm[i](h), cos, sin, step)
+            h = h + self._attention(i, layer.self_attn, self.input_norm[i](h), cos, sin, step, masks)
             x = self.gate_up[i](self.post_norm[i](h))
             gate, up = x.split(x.shape[-1] // 2, dim=-1)
             h = h + self.down[i](self.act[i](gate) * up)
         h = self.final_norm(h[step.logit_rows])
         return self.lm_head(h).float()
 
-    def _attention(self, i: int, attn, x, cos, sin, step: StepInput) -> torch.Tensor:
+    def _step_masks(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The decode and short-prefill masks in the form the attention kernel takes, once per step."""
+        pb = step.short_prefills
+        masks = (step.decode_mask if step.decode_rows.numel() else None, pb.mask if pb is not None else None)
+        if self.matmul_attention:  # it takes the blocked positions
+            return tuple(None if m is None else ~m for m in masks)
+        return masks
+
+    def _attention(self, i: int, attn, x, cos, sin, step: StepInput, masks) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv[i](x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        cache_k, cache_v = self.kv[i, 0], self.kv[i, 1]
-        cache_k.index_copy_(0, step.slots, k)
-        cache_v.index_copy_(0, step.slots, v)
-        out = torch.empty_like(q)
-        if step.decode_rows.numel():
-            bd, length = step.decode_ctx.shape
-            flat = step.decode_ctx.reshape(-1)
-            qd = q[step.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
-            kd = cache_k.index_select(0, flat).view(bd, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vd = cache_v.index_select(0, flat).view(bd, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            od = self._masked_attention(qd, kd, vd, step.decode_mask)
-            out[step.decode_rows] = od.squeeze(2)
-        if step.short_prefills is not None:
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv[i](x)
+        if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms, before the rotary embedding
+            q = attn.q_norm(qkv[:, : self.q_size].reshape(t, heads, d))
+            k = attn.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, kv_heads, d))
+            qk = torch.cat([q, k], dim=1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d)
+        qk = rotate(qk, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
+        cache_k, cache_v = self.kv[i, 0], self.kv[i, 1]  # [KV, slots, D]
+        cache_k.index_copy_(1, step.slots, k.transpose(0, 1))
+        cache_v.index_copy_(1, step.slots, v.transpose(0, 1))
+        decode_mask, prefill_mask = masks
+        if decode_mask is not None and step.decode_rows.numel() == t:  # decode only: rows are 0..t-1
+            out = self._decode(q, cache_k, cache_v, step, decode_mask)
+            return self.o_proj[i](out.reshape(t, heads * d))
+        out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
+        if decode_mask is not None:
+            out[step.decode_rows] = self._decode(q[step.decode_rows], cache_k, cache_v, step, decode_mask)
+        if prefill_mask is not None:
             pb = step.short_prefills
             p, lq, lk = pb.shape
-            qp = q.index_select(0, pb.q_index).view(p, lq, self.num_heads, self.head_dim).transpose(1, 2)
-            kp = cache_k.index_select(0, pb.kv_slots).view(p, lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vp = cache_v.index_select(0, pb.kv_slots).view(p, lk, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            op = self._masked_attention(qp, kp, vp, pb.mask)
-            out[pb.q_rows] = op.transpose(1, 2).reshape(p * lq, self.num_heads, self.head_dim)[pb.q_valid]
+            qp = q.index_select(0, pb.q_index).view(p, lq, heads, d)
+            kp = cache_k.index_select(1, pb.kv_slots).view(kv_heads, p, lk, d)
+            vp = cache_v.index_select(1, pb.kv_slots).view(kv_heads, p, lk, d)
+            op = self._attend(qp, kp, vp, prefill_mask, self.scaling)
+            out[pb.q_rows] = op.reshape(p * lq, heads, d)[pb.q_valid]
         for start, n, ctx_len, ctx_slots in step.prefills:
             qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if ctx_slots is None:  # whole context is in this chunk
@@ -216,17 +251,21 @@ class ModelRunner:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling,
                                                     enable_gqa=True)
             else:
-                kp = cache_k.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
-                vp = cache_v.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
+                kp = cache_k.index_select(1, ctx_slots).unsqueeze(0)  # [1, KV, ctx, D]
+                vp = cache_v.index_select(1, ctx_slots).unsqueeze(0)
                 offset = ctx_len - n
                 rows = torch.arange(n, device=x.device)[:, None] + offset
                 cols = torch.arange(ctx_len, device=x.device)[None, :]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=cols <= rows,
                                                     scale=self.scaling, enable_gqa=True)
             out[start : start + n] = op[0].transpose(0, 1)
-        return self.o_proj[i](out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj[i](out.reshape(t, heads * d))
 
-    def _masked_attention(self, q, k, v, mask) -> torch.Tensor:
-        if self.matmul_attention:
-            return matmul_attention(q, k, v, mask, self.scaling)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+    def _decode(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, step: StepInput,
+                mask: torch.Tensor) -> torch.Tensor:
+        """One query per decoding sequence (``q [Bd, H, D]``) over its gathered context."""
+        bd, length = step.decode_ctx.shape
+        flat = step.decode_ctx.reshape(-1)
+        kd = cache_k.index_select(1, flat).view(self.num_kv_heads, bd, length, self.head_dim)
+        vd = cache_v.index_select(1, flat).view(self.num_kv_heads, bd, length, self.head_dim)
+        return self._attend(q.unsqueeze(1), kd, vd, mask, self.scaling).squeeze(1)
