@@ -1,7 +1,8 @@
 """Batched sampling: greedy, seeds, top-k/top-p, penalties, logprobs."""
 
+import pytest
 import torch
-from llm_engine.sampler import RowSpec, sample
+from llm_engine.sampler import RowSpec, greedy_tokens, sample
 
 
 def row(gen=None, **kw):
@@ -60,3 +61,15 @@ def test_logprobs_and_top_alternatives():
     assert res.tokens == [0]
     assert abs(res.logprobs[0] - torch.log(torch.tensor(0.5)).item()) < 1e-5
     assert [t for t, _ in res.top[0]] == [0, 1]
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 2048, 49152, 50257, 151936])
+def test_greedy_tokens_equal_argmax_with_ties_and_any_vocab(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    scores = torch.randint(-40, 40, (9, vocab), generator=gen).float()  # many ties
+    scores[1, -1] = 1000.0  # maximum in the tail
+    scores[2, 0] = scores[2, -1] = 1000.0  # tie between the first block and the tail
+    scores[3, 5] = scores[3, vocab // 2] = 1000.0  # tie across blocks
+    scores[4] = -5.0  # all equal
+    assert torch.equal(greedy_tokens(scores), torch.argmax(scores, dim=-1))
+    assert torch.equal(greedy_tokens(scores[:1]), torch.argmax(scores[:1], dim=-1))
