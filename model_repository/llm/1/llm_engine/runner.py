@@ -6,8 +6,10 @@ and does attention itself against a block-paged KV pool, so that sequences of
 different lengths decode together without padding the cache.
 
 A step's tokens are flattened to ``[T, hidden]`` for all linear layers. Attention
-runs in two groups: every one-token decode in one batched SDPA call, and each
-prefill chunk on its own (there are few per step).
+runs in three groups: every one-token decode in one batched call, short prefill
+chunks padded into one call, and each long prefill chunk on its own. The KV pool is
+head-major (``[layer, k/v, kv_head, slot, head_dim]``), so gathering a context by slot
+gives ``[kv_head, tokens, head_dim]``, the layout the batched matmuls read.
 """
 
 from __future__ import annotations
