@@ -318,3 +318,59 @@ def test_bf16_seeded_sampling_is_bit_identical_whatever_shares_the_batch(bf16_en
     assert batched.text() == alone.text()
     lp = lambda run: [e["logprob"] for o in run.outputs for e in o.logprobs]  # noqa: E731
     assert lp(batched) == lp(alone)
+
+
+def test_bf16_prefill_on_more_threads_gives_the_same_bits(bf16_engine, monkeypatch):
+    """Prompt-heavy steps may run on more torch threads than decode steps; a row's numbers
+    must not depend on it, or a seeded request's text would depend on its neighbours.
+    (The prefix cache is off here: a cache hit prefills the rest of the prompt through
+    another attention path, whose bf16 results differ in the last bits.)"""
+    eng = bf16_engine
+    monkeypatch.setattr(eng.blocks, "enable_prefix_cache", False)
+    req = dict(max_tokens=8, temperature=0.9, seed=77, ignore_eos=True, logprobs=2)
+    short = "In a quiet village by the sea, an old fisherman told the children a story about"
+    long = " ".join(f"Chapter {i}: the tide came in and went out again." for i in range(20))  # > 128 tokens
+    saved = eng.runner.threads
+    try:
+        eng.runner.threads = (1, 1)
+        narrow = [Run(eng, p, **req).wait() for p in (short, long)]
+        eng.runner.threads = (1, 2)
+        wide = [Run(eng, p, **req).wait() for p in (short, long)]
+    finally:
+        eng.runner.threads = saved
+    lp = lambda run: [(e["logprob"], e["top"]) for o in run.outputs for e in o.logprobs]  # noqa: E731
+    assert narrow[1].outputs[-1].prompt_tokens > 128  # the long prompt takes the SDPA path
+    for w, n in zip(wide, narrow):
+        assert w.text() == n.text()
+        assert lp(w) == lp(n)
+
+
+def test_prefill_heavy_steps_take_the_prefill_thread_count(bf16_engine, monkeypatch):
+    from types import SimpleNamespace
+
+    runner = bf16_engine.runner
+    monkeypatch.setattr(runner, "threads", (1, 2))
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 0)
+
+    def step(tokens, decodes):
+        return SimpleNamespace(input_ids=torch.zeros(tokens), decode_rows=torch.zeros(decodes))
+
+    runner._set_threads(step(1, 1))  # one decode
+    runner._set_threads(step(40, 32))  # decodes and one short prompt
+    runner._set_threads(step(5, 0))  # a lone short prompt: nothing else waits on the step
+    runner._set_threads(step(60, 20))  # 40 prompt tokens
+    assert chosen == [1, 1, 2, 2]
+
+
+def test_prefill_threads_default_to_every_core(monkeypatch):
+    from llm_engine.device import select_prefill_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert select_prefill_threads(0, 3) == 4
+    assert select_prefill_threads(2, 3) == 3  # never below the decode count
+    assert select_prefill_threads(6, 3) == 6
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert select_prefill_threads(0, 1) == 2
