@@ -69,9 +69,6 @@ class ModelSection(_Section):
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
     cpuThreads: int = Field(
         0, ge=0, description="torch threads on CPU; 0 = $OMP_NUM_THREADS if set, else cores - 1")
-    cpuPrefillThreads: int = Field(
-        0, ge=0, description="torch threads on CPU for prefill-heavy steps; 0 = $OMP_NUM_THREADS if set, "
-                             "else every core; at most cpuThreads disables widening")
 
     @field_validator("modelName")
     @classmethod

@@ -85,24 +85,8 @@ def select_cpu_threads(setting: int) -> int:
     """
     if setting:
         return setting
-    return _omp_threads() or max(1, _cores() - 1)
-
-
-def select_prefill_threads(setting: int, decode_threads: int) -> int:
-    """torch threads for prefill-heavy steps: the setting, else ``$OMP_NUM_THREADS``, else every core.
-
-    A prefill step is a few large matmuls, which a second core nearly halves (measured on
-    2 cores: 8 prompts 246 -> 161 ms, 32 prompts 838 -> 501 ms), and few tokens are
-    streamed during it, so the rest of the stack needs the core less then. Never below
-    the decode count.
-    """
-    return max(decode_threads, setting or _omp_threads() or _cores())
-
-
-def _omp_threads() -> int:
     env = os.environ.get("OMP_NUM_THREADS", "")
-    return int(env) if env.isdigit() and int(env) > 0 else 0
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from .config import Settings
-from .device import select_cpu_threads, select_device, select_dtype, select_prefill_threads
+from .device import select_cpu_threads, select_device, select_dtype
 from .engine import Engine, EngineLimits
 from .kv_cache import BlockManager
 from .runner import ModelRunner
@@ -28,11 +28,8 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
     model_dir = resolve_model_dir(mc.modelWeightPath)
     log.info("loading %s from %s", mc.modelName, model_dir)
     device = select_device(mc.device, device_id)
-    threads = None
     if device.type == "cpu":
-        decode_threads = select_cpu_threads(mc.cpuThreads)
-        threads = (decode_threads, select_prefill_threads(mc.cpuPrefillThreads, decode_threads))
-        torch.set_num_threads(decode_threads)
+        torch.set_num_threads(select_cpu_threads(mc.cpuThreads))
     config = AutoConfig.from_pretrained(model_dir)
     dtype = select_dtype(mc.dtype, device, config.hidden_size, getattr(config, "intermediate_size", 1536))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -48,7 +45,7 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
     per_token = ModelRunner.kv_bytes_per_token(config, dtype)
     num_blocks = sched.kvCacheBlocks or max(1, sched.kvCacheMemoryMiB * 2**20 // (per_token * block_size))
     max_pos = min(deploy.maxSeqLen, info["max_position_embeddings"] or deploy.maxSeqLen) + 1
-    runner = ModelRunner(model, device, dtype, num_blocks, block_size, max_pos, cpu_threads=threads)
+    runner = ModelRunner(model, device, dtype, num_blocks, block_size, max_pos)
     blocks = BlockManager(num_blocks, block_size, sched.enablePrefixCache)
     scheduler = Scheduler(blocks, sched.maxBatchSize, sched.maxPrefillBatchSize, sched.maxPrefillTokens,
                           sched.maxWaitingRequests)
@@ -64,10 +61,10 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
         eos_ids.append(tokenizer.eos_token_id)
     engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics)
     log.info(
-        "engine ready in %.1fs: device=%s threads=%s dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
+        "engine ready in %.1fs: device=%s threads=%d dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
         "maxBatchSize=%d maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s "
         "default top_k=%d temperature=%g",
-        time.monotonic() - t0, device, runner.thread_summary(), str(dtype).removeprefix("torch."), num_blocks,
+        time.monotonic() - t0, device, torch.get_num_threads(), str(dtype).removeprefix("torch."), num_blocks,
         block_size,
         num_blocks * block_size * per_token / 2**20, sched.maxBatchSize, sched.maxPrefillTokens,
         deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids, limits.default_top_k,

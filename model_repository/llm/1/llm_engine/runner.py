@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from .linear import Linear, make_linear
 
 log = logging.getLogger(__name__)
-WIDE_PREFILL_TOKENS = 32  # a step with this many prompt tokens runs with the prefill thread count
 # RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * weight, which F.rms_norm fuses.
 FUSABLE_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 
@@ -104,7 +103,7 @@ class ModelRunner:
     """Holds the model, the KV pool and the rotary tables on one device."""
 
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 max_positions: int, cpu_threads: tuple[int, int] | None = None):
+                 max_positions: int):
         cfg = model.config
         self.model = model
         self.device = device
@@ -133,45 +132,6 @@ class ModelRunner:
         self.matmul_attention = device.type == "cpu" and dtype != torch.float32
         self._attend = matmul_attention if self.matmul_attention else sdpa_attention
         self._fuse_projections()
-        self.threads = self._thread_plan(cpu_threads)
-
-    def _thread_plan(self, cpu_threads: tuple[int, int] | None) -> tuple[int, int] | None:
-        """``(decode, prefill)`` torch thread counts on CPU, or None to leave threads alone.
-
-        Widening for prefill is only safe if a row's numbers do not depend on the thread
-        count: a seeded request must sample the same text whatever else made its step
-        prefill-heavy. Element-wise ops, norms and softmax reduce within a row and the
-        attention kernels split work by sequence and head, so the layer matmuls are what
-        could differ; each distinct one is compared at both counts here, at load.
-        """
-        if cpu_threads is None or cpu_threads[1] <= cpu_threads[0]:
-            return cpu_threads
-        decode, wide = cpu_threads
-        hidden = self.inner.embed_tokens.weight.shape[1]
-        probes = [(self.qkv[0], hidden), (self.o_proj[0], self.q_size), (self.gate_up[0], hidden),
-                  (self.down[0], self.intermediate_size), (self.lm_head, hidden)]
-        gen = torch.Generator().manual_seed(4321)
-        try:
-            with torch.inference_mode():
-                for rows in (1, 5, 48):
-                    for linear, k in probes:
-                        x = torch.randn(rows, k, generator=gen).to(self.dtype)
-                        torch.set_num_threads(decode)
-                        narrow = linear(x)
-                        torch.set_num_threads(wide)
-                        if not torch.equal(linear(x), narrow):
-                            log.warning("matmuls give different bits with %d and %d threads; prefill steps "
-                                        "keep %d thread(s)", decode, wide, decode)
-                            return decode, decode
-        finally:
-            torch.set_num_threads(decode)
-        return decode, wide
-
-    def thread_summary(self) -> str:
-        if self.threads is None:
-            return "n/a"
-        decode, wide = self.threads
-        return f"{decode}" if wide == decode else f"{decode} (prefill {wide})"
 
     def _fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up per layer instead of five small ones.
@@ -197,7 +157,6 @@ class ModelRunner:
             self.gate_up.append(make_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])))
             self.down.append(make_linear(m.down_proj.weight, m.down_proj.bias))
             self.act.append(m.act_fn)
-            self.intermediate_size = m.down_proj.weight.shape[1]
             del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
         head = self.model.lm_head
         self.lm_head = make_linear(head.weight, head.bias)
@@ -235,8 +194,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Run the model; return float32 logits ``[R, vocab]`` for ``step.logit_rows``."""
-        if self.threads is not None:
-            self._set_threads(step)
         h = self.inner.embed_tokens(step.input_ids)
         cos = self.cos[step.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_signed[step.positions].unsqueeze(1)
@@ -248,15 +205,6 @@ class ModelRunner:
             h = h + self.down[i](self.act[i](gate) * up)
         h = self.final_norm(h[step.logit_rows])
         return self.lm_head(h).float()
-
-    def _set_threads(self, step: StepInput) -> None:
-        """The prefill thread count for steps that are mostly prompt, the decode count otherwise."""
-        decodes = step.decode_rows.numel()
-        prompt_tokens = step.input_ids.numel() - decodes
-        decode, wide = self.threads
-        want = wide if prompt_tokens >= WIDE_PREFILL_TOKENS or (prompt_tokens and not decodes) else decode
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
 
     def _step_masks(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decode and short-prefill masks in the form the attention kernel takes, once per step."""
