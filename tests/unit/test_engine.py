@@ -318,3 +318,27 @@ def test_bf16_seeded_sampling_is_bit_identical_whatever_shares_the_batch(bf16_en
     assert batched.text() == alone.text()
     lp = lambda run: [e["logprob"] for o in run.outputs for e in o.logprobs]  # noqa: E731
     assert lp(batched) == lp(alone)
+
+
+def test_bf16_prefix_cache_hit_gives_the_same_bits_as_a_miss(bf16_engine):
+    """A seeded request repeated after its prompt was cached must not change: every prompt
+    position takes the same attention path whether the positions before it come from the
+    cache or are computed in the same step (short, long, and one-token-past-a-block prompts)."""
+    eng = bf16_engine
+    bs = eng.blocks.block_size
+    tok = eng.tokenizer
+    short = "Cache test. " + " ".join(f"Line {i}: waves." for i in range(8))  # a few blocks, < 128 tokens
+    long = "Cache test. " + " ".join(f"Chapter {i}: the tide came in and went out again." for i in range(20))
+    one_past_blocks = tok.decode(tok(long.replace("Cache", "Tail")).input_ids[: 6 * bs + 1])
+    req = dict(max_tokens=8, temperature=0.9, seed=99, ignore_eos=True, logprobs=2)
+    lp = lambda run: [(e["logprob"], e["top"]) for o in run.outputs for e in o.logprobs]  # noqa: E731
+    for prompt in (short, long, one_past_blocks):
+        miss = Run(eng, prompt, **req).wait()
+        hit = Run(eng, prompt, **req).wait()
+        assert miss.outputs[-1].cached_tokens == 0 and hit.outputs[-1].cached_tokens > 0, prompt[:30]
+        assert hit.text() == miss.text()
+        assert lp(hit) == lp(miss), prompt[:30]
+    # one token past a block boundary: a lone last token would be attended as a single
+    # query row (another kernel), so the cache leaves the last full block to compute too
+    assert hit.outputs[-1].prompt_tokens == 6 * bs + 1
+    assert hit.outputs[-1].cached_tokens == 5 * bs

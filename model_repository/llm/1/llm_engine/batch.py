@@ -8,8 +8,12 @@ from .runner import PrefillBatch, StepInput
 from .scheduler import Plan
 from .sequence import Sequence
 
-SHORT_PREFILL_TOKENS = 128  # prefill chunks up to this long share one padded attention call
-SHORT_PREFILL_CONTEXT = 2048
+# Prompt chunks that end within this many tokens share one padded attention call; longer
+# ones are attended one by one. The choice depends on where a chunk *ends*, not on its
+# length, so a prompt position takes the same attention path whether the positions before
+# it were computed in this step, in an earlier chunk or taken from the prefix cache: the
+# numbers (and so a seeded request's text) do not depend on the cache's state.
+SHORT_PREFILL_TOKENS = 128
 
 
 def build_step_input(plan: Plan, bs: int, dev: torch.device, dummy_slot: int) -> tuple[StepInput, list[Sequence]]:
@@ -31,10 +35,10 @@ def build_step_input(plan: Plan, bs: int, dev: torch.device, dummy_slot: int) ->
         for p in range(start, start + n):
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-        if n == 1 and start > 0:
+        if n == 1 and start >= seq.prompt_len:  # a generated token, not the last of a cached prompt
             decode_rows.append(row)
             decode_seqs.append(seq)
-        elif n <= SHORT_PREFILL_TOKENS and start + n <= SHORT_PREFILL_CONTEXT:
+        elif start + n <= SHORT_PREFILL_TOKENS:
             short.append((row, n, start + n, seq))
         else:
             ctx = None

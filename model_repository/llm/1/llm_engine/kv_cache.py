@@ -80,14 +80,17 @@ class BlockManager:
     def allocate_prompt(self, table: BlockTable, tokens: list[int]) -> int:
         """Give ``table`` blocks for ``tokens``; return how many leading tokens are cached.
 
-        At least the last token is always left to compute, so its logits exist.
+        At least the last two tokens are always left to compute: the last so its logits
+        exist, and two because attention over a single query row takes another kernel
+        than the same row inside a longer chunk (other last bits, measured in bf16 on
+        CPU), and a cache hit must not change a seeded request's numbers.
         """
         assert not table.blocks
         needed = self.blocks_needed(len(tokens))
         cached_blocks: list[int] = []
         if self.enable_prefix_cache:
             parent = b""
-            full = (len(tokens) - 1) // self.block_size  # never the block holding the last token
+            full = max(0, len(tokens) - 2) // self.block_size  # never a block holding the last two
             for i in range(full):
                 chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
                 parent = chain_hash(parent, chunk)
