@@ -342,3 +342,26 @@ def test_bf16_prefix_cache_hit_gives_the_same_bits_as_a_miss(bf16_engine):
     # query row (another kernel), so the cache leaves the last full block to compute too
     assert hit.outputs[-1].prompt_tokens == 6 * bs + 1
     assert hit.outputs[-1].cached_tokens == 5 * bs
+
+
+def test_bf16_short_prompt_split_by_the_token_budget_gives_the_same_bits(bf16_engine, monkeypatch):
+    """A prompt of up to 128 tokens prefilled in budget-sized pieces (here 17 tokens, which
+    leaves a lone last token) gives the same numbers as one prefilled whole: all its pieces
+    take the padded attention path, whose rows do not depend on the padding. (Longer
+    prompts split this way differ in the last bits: each piece attends over a different
+    number of keys, and SDPA's sums depend on that.)"""
+    monkeypatch.setattr(bf16_engine.blocks, "enable_prefix_cache", False)
+    small = build(dtype="bfloat16", kvCacheMemoryMiB=64, maxPrefillTokens=17, enablePrefixCache=False)
+    try:
+        tok = bf16_engine.tokenizer
+        req = dict(max_tokens=6, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)
+        lp = lambda run: [(e["logprob"], e["top"]) for o in run.outputs for e in o.logprobs]  # noqa: E731
+        text = " ".join(f"Chapter {i}: the tide came in and went out again." for i in range(20))
+        prompt = tok.decode(tok(text).input_ids[:120])
+        whole = Run(bf16_engine, prompt, **req).wait()
+        split = Run(small, prompt, **req).wait()
+        assert whole.outputs[-1].prompt_tokens == 120
+        assert split.text() == whole.text()
+        assert lp(split) == lp(whole)
+    finally:
+        small.stop()

@@ -8,11 +8,12 @@ from .runner import PrefillBatch, StepInput
 from .scheduler import Plan
 from .sequence import Sequence
 
-# Prompt chunks that end within this many tokens share one padded attention call; longer
-# ones are attended one by one. The choice depends on where a chunk *ends*, not on its
-# length, so a prompt position takes the same attention path whether the positions before
-# it were computed in this step, in an earlier chunk or taken from the prefix cache: the
-# numbers (and so a seeded request's text) do not depend on the cache's state.
+# Chunks of prompts up to this long share one padded attention call; chunks of longer
+# prompts are attended one by one. The choice depends on the prompt's length, not the
+# chunk's, so a prompt position always takes the same attention path: a prefix-cache hit
+# gives the same numbers as a miss (bf16, tested), and so does a short prompt split by the
+# token budget. A long prompt split by the budget differs in the last bits, since each
+# piece attends over a different number of keys.
 SHORT_PREFILL_TOKENS = 128
 
 
@@ -38,7 +39,7 @@ def build_step_input(plan: Plan, bs: int, dev: torch.device, dummy_slot: int) ->
         if n == 1 and start >= seq.prompt_len:  # a generated token, not the last of a cached prompt
             decode_rows.append(row)
             decode_seqs.append(seq)
-        elif start + n <= SHORT_PREFILL_TOKENS:
+        elif max(seq.prompt_len, start + n) <= SHORT_PREFILL_TOKENS:
             short.append((row, n, start + n, seq))
         else:
             ctx = None
