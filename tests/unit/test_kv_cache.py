@@ -59,15 +59,18 @@ def test_prefix_cache_keeps_last_token_to_compute():
     assert bm.allocate_prompt(b, prompt) == 4  # the block holding the last token is recomputed
 
 
+def _computed_and_released(bm: BlockManager, prompt: list[int]) -> None:
+    table = BlockTable()
+    bm.allocate_prompt(table, prompt)
+    bm.register_prompt_blocks(table, prompt, len(prompt))
+    bm.release(table)
+
+
 def test_cached_blocks_survive_release_until_reused():
     bm = BlockManager(4, 4)
     prompt = list(range(10))
-    a = BlockTable()
-    bm.allocate_prompt(a, prompt)
-    bm.register_prompt_blocks(a, prompt, 10)
-    bm.release(a)
-    b = BlockTable()
-    assert bm.allocate_prompt(b, prompt) == 8
+    _computed_and_released(bm, prompt)
+    assert bm.allocate_prompt(BlockTable(), prompt) == 8
 
 
 def test_a_hit_leaves_at_least_the_last_two_tokens_to_compute():
@@ -75,10 +78,7 @@ def test_a_hit_leaves_at_least_the_last_two_tokens_to_compute():
     miss; so a prompt one token past a block boundary gets its last full block recomputed."""
     bm = BlockManager(8, 4)
     prompt = list(range(9))
-    a = BlockTable()
-    bm.allocate_prompt(a, prompt)
-    bm.register_prompt_blocks(a, prompt, 9)
-    bm.release(a)
+    _computed_and_released(bm, prompt)
     assert bm.allocate_prompt(BlockTable(), prompt) == 4
     assert bm.allocate_prompt(BlockTable(), prompt + [99]) == 8
 
