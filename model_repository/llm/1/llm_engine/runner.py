@@ -246,21 +246,20 @@ class ModelRunner:
             op = self._attend(qp, kp, vp, prefill_mask, self.scaling)
             out[pb.q_rows] = op.reshape(p * lq, heads, d)[pb.q_valid]
         for start, n, ctx_len, ctx_slots in step.prefills:
-            qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if ctx_slots is None:  # whole context is in this chunk
+                qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
                 kp = k[start : start + n].transpose(0, 1).unsqueeze(0)
                 vp = v[start : start + n].transpose(0, 1).unsqueeze(0)
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling,
                                                     enable_gqa=True)
-            else:
-                kp = cache_k.index_select(1, ctx_slots).unsqueeze(0)  # [1, KV, ctx, D]
-                vp = cache_v.index_select(1, ctx_slots).unsqueeze(0)
-                offset = ctx_len - n
-                rows = torch.arange(n, device=x.device)[:, None] + offset
+                out[start : start + n] = op[0].transpose(0, 1)
+            else:  # a later chunk: attend over the context already in the cache
+                kp = cache_k.index_select(1, ctx_slots).unsqueeze(1)  # [KV, 1, ctx, D]
+                vp = cache_v.index_select(1, ctx_slots).unsqueeze(1)
+                rows = torch.arange(n, device=x.device)[:, None] + (ctx_len - n)
                 cols = torch.arange(ctx_len, device=x.device)[None, :]
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=cols <= rows,
-                                                    scale=self.scaling, enable_gqa=True)
-            out[start : start + n] = op[0].transpose(0, 1)
+                op = sdpa_attention(q[start : start + n].unsqueeze(0), kp, vp, cols <= rows, self.scaling)
+                out[start : start + n] = op[0]
         return self.o_proj[i](out.reshape(t, heads * d))
 
     def _decode(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, step: StepInput,
