@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # for a venv prepared with a CUDA or Ascend torch (README, "Other devices").
 TORCH_DEVICE ?= cpu
 
-.PHONY: install serve test test-fast lint bench clean check-torch
+.PHONY: install serve test test-fast lint bench bench-peers clean check-torch
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,24 @@ lint: install
 
 bench: install
 	$(PY) -m bench.run
+
+# The llama.cpp peers of the bench (not project dependencies; about 10 minutes on 2 cores):
+# llama-server and llama.cpp's shared libraries, built once from the llama.cpp that the
+# llama-cpp-python sdist vendors, then llama-cpp-python itself on those libraries.
+LLAMA_CPP_PYTHON ?= 0.3.36
+PEERS := .bench-peers
+LLAMA_SRC := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)
+bench-peers: install $(PEERS)/build/bin/llama-server
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q $(LLAMA_SRC)
+	LLAMA_CPP_LIB_PATH=$(PEERS)/build/bin $(PY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+
+$(PEERS)/build/bin/llama-server:
+	mkdir -p $(PEERS)
+	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-python -d $(PEERS) llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS)
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(PEERS)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(PEERS)/build --target llama-server -j
 
 clean:
 	rm -rf .triton .pytest_cache build *.egg-info

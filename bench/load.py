@@ -58,7 +58,11 @@ def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
 
 
 async def sse_request(client: httpx.AsyncClient, url: str, body: dict) -> StreamTrace:
-    """One streaming ``/v1/completions`` call; a token arrival is any event that carries a choice."""
+    """One streaming ``/v1/completions`` call; a token arrival is an event that carries a choice.
+
+    A closing event with no text and a finish reason (llama-server sends one after the
+    last token; the stack puts the finish reason on the last token's event) is not a token.
+    """
     trace = StreamTrace(sent=time.perf_counter())
     events = 0
     try:
@@ -77,12 +81,13 @@ async def sse_request(client: httpx.AsyncClient, url: str, body: dict) -> Stream
                 if "error" in msg:
                     trace.error = str(msg["error"])
                     return trace
-                if msg.get("choices"):
+                choices = msg.get("choices") or []
+                usage = msg.get("usage")
+                if usage:
+                    trace.tokens = int(usage.get("completion_tokens", 0))
+                if any(c.get("text") or not c.get("finish_reason") for c in choices):
                     trace.token_times.append(now)
                     events += 1
-                    usage = msg.get("usage")
-                    if usage:
-                        trace.tokens = int(usage.get("completion_tokens", 0))
     except (httpx.HTTPError, ValueError) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
         return trace

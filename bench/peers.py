@@ -137,6 +137,10 @@ def run_continuous(workload: Workload, dtype_name: str) -> RunResult:
 
 def llama_cpp_missing() -> str:
     """Why the llama.cpp peer cannot run here ("" when it can)."""
+    from bench.llama_server import PEERS_BUILD
+
+    if (PEERS_BUILD / "libllama.so").is_file():  # `make bench-peers` installs the package without libraries
+        os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(PEERS_BUILD))
     try:
         import llama_cpp  # noqa: F401
     except Exception as exc:  # ImportError, or a broken shared library
@@ -148,7 +152,7 @@ def llama_cpp_missing() -> str:
 def _no_extra_buffers() -> Iterator[None]:
     """Load with ``use_extra_bufts=False`` (llama.cpp's ``--no-repack``), which ``Llama()`` does not expose.
 
-    On CPUs with AMX, llama.cpp 0.3.36 repacks the weights into its AMX buffer and then
+    Only on CPUs with AMX: there llama.cpp 0.3.36 repacks the weights into its AMX buffer and then
     segfaults in the first batched decode (ggml_backend_amx_mul_mat, llama.cpp #20824);
     without extra buffer types it runs its ordinary AVX-512 quantised kernels.
     """
@@ -177,7 +181,9 @@ def run_llama_cpp(workload: Workload) -> RunResult:
     from llama_cpp import Llama, LogitsProcessorList
     from llm_engine.weights import default_gguf_path
 
-    with _no_extra_buffers():
+    from bench.llama_server import has_amx
+
+    with _no_extra_buffers() if has_amx() else contextlib.nullcontext():
         llm = Llama(model_path=str(default_gguf_path()), n_ctx=512, n_threads=os.cpu_count() or 1,
                     n_threads_batch=os.cpu_count() or 1, verbose=False, seed=0)
     eos = llm.token_eos()

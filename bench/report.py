@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.machine import GFLOP_PER_TOKEN, MachineInfo
 from bench.stats import RunResult, percentile, ratio
 
-STACK, ENGINE = "stack", "engine alone"
+STACK, ENGINE, LLAMA_SERVER = "stack", "engine alone", "llama-server"
 CSV_FIELDS = ["system", "dtype", "concurrency", "requests", "output_tokens", "wall_s", "tok_per_s",
               "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "note"]
 
@@ -93,6 +93,8 @@ def compare(results: list[RunResult], machine: MachineInfo, fp32_weight_bytes: i
                             None if not same or cb is None else ratio(_tps(s_top), _tps(cb)) >= 2))
     checks.append(_at_least(f"stack@{top} / llama-cpp-python (1 stream)",
                             ratio(_tps(s_top), _tps(find(results, "llama-cpp-python"))), 3))
+    checks.append(_at_least(f"stack@{top} / llama-server@{top}",
+                            ratio(_tps(s_top), _tps(find(results, LLAMA_SERVER, top))), 1))
     flops = _tps(s_top) * GFLOP_PER_TOKEN
     checks.append(_at_least(f"stack@{top} % of {dtype or '?'} matmul roofline",
                             100 * ratio(flops, machine.roofline(dtype)), 50, "%",
@@ -103,6 +105,8 @@ def compare(results: list[RunResult], machine: MachineInfo, fp32_weight_bytes: i
                             f"limit {limit:.0f} tok/s = {machine.mem_read_gbs:.1f} GB/s / {wbytes / 1e6:.0f} MB"))
     llama = find(results, "llama-cpp-python")
     checks.append(_at_least("stack@1 / llama-cpp-python (stretch)", ratio(_tps(s_one), _tps(llama)), 1))
+    checks.append(_at_least("stack@1 / llama-server@1 (stretch)",
+                            ratio(_tps(s_one), _tps(find(results, LLAMA_SERVER, 1))), 1))
     for c in sorted({r.concurrency for r in stack}):
         eng = find(results, ENGINE, c)
         loss = 100 * (1 - ratio(_tps(find(results, STACK, c)), _tps(eng)))
@@ -114,6 +118,8 @@ def compare(results: list[RunResult], machine: MachineInfo, fp32_weight_bytes: i
     ttft_ratio = ratio(_ttft50(find(results, STACK, mid)), _ttft50(s_one))
     checks.append(Check(f"stack p50 TTFT @{mid} / @1", ttft_ratio, "x", "<= 2x",
                         None if math.isnan(ttft_ratio) else ttft_ratio <= 2))
+    peer = ratio(_ttft50(find(results, LLAMA_SERVER, mid)), _ttft50(find(results, LLAMA_SERVER, 1)))
+    checks.append(Check(f"llama-server p50 TTFT @{mid} / @1", peer, "x", "(the peer, for reference)", None))
     return checks
 
 
@@ -183,7 +189,7 @@ def plot(path: Path, results: list[RunResult], title: str = "") -> None:
                           key=lambda r: r.concurrency)
             xs = [r.concurrency for r in rows]
             label = f"{system} ({dtype})" if dtype else system
-            style = "-" if system in (STACK, ENGINE) else ""
+            style = "-" if system in (STACK, ENGINE) else "--" if len(rows) > 1 else ""
             marker = next(markers, "o")
             ax_t.plot(xs, [r.tok_per_s for r in rows], style, marker=marker, label=label)
             ax_l.plot(xs, [1e3 * percentile(r.ttft_s, 50) for r in rows], style, marker=marker, label=label)

@@ -1,13 +1,15 @@
 """One benchmark run on one machine: limits, the stack, the engine alone and the peers.
 
-    python -m bench.run [--quick] [--out bench/results] [--config conf/config.json]
+    python -m bench.run [--quick] [--out bench/results] [--config conf/config.json] [--llama-server PATH]
 
 1. measures the machine (fp32/bf16 matmul GFLOP/s at 2048³, memory read GB/s);
 2. starts a private stack (``adapter.launch`` on free ports), drives streaming
    ``/v1/completions`` clients at each concurrency, and stops it;
 3. drives the engine in-process with the same workload (stack overhead);
 4. runs the peers (naive ``generate``, static batch, transformers continuous
-   batching fp32/bf16, llama-cpp-python when importable);
+   batching fp32/bf16, llama-cpp-python when importable, and llama.cpp's
+   ``llama-server`` with one slot per stream when a binary is found, driven like
+   the stack);
 5. prints the tables and writes ``results.csv``, ``checks.csv``, ``summary.json``
    and ``results.png`` into ``--out``.
 
@@ -53,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results", help="output folder")
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "conf" / "config.json",
                         help="settings file to copy for the bench's own stack (ports are replaced)")
+    parser.add_argument("--llama-server", default=None,
+                        help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, the make bench-peers "
+                             "build, then PATH; skipped when none is found)")
     return parser.parse_args(argv)
 
 
@@ -64,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     _import_paths()
 
     from bench.engine_alone import run_engine_alone
+    from bench.llama_server import find_binary, run_llama_server
     from bench.load import drive_stack
     from bench.machine import measure
     from bench.peers import run_peers
@@ -77,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         write_csv,
     )
     from bench.stack import Stack
+    from bench.stats import RunResult
     from bench.workload import FULL, QUICK
 
+    if args.llama_server:
+        find_binary(args.llama_server)  # a wrong path fails now, not after the rest of the run
     workload = QUICK if args.quick else FULL
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -99,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     peer_results, fp32_bytes = run_peers(workload)
     results += peer_results
+    if not workload.quick:
+        log.info("peer: llama-server")
+        try:
+            results += run_llama_server(workload, out / "llama-server.log", args.llama_server)
+        except Exception as exc:  # a broken peer must not sink the whole run
+            log.exception("peer llama-server failed")
+            results.append(RunResult(system="llama-server", concurrency=0, note=f"failed: {exc}"))
 
     checks = compare(results, machine, fp32_bytes)
     write_csv(out / "results.csv", results)

@@ -37,6 +37,8 @@ def fake_results() -> list[RunResult]:
         fake("naive generate", 1, 17, 0.06), fake("static batch", 32, 219, 0.3),
         fake("transformers CB", 32, 98, 1.0), fake("transformers CB", 32, 164, 0.9, "bfloat16"),
         RunResult(system="llama-cpp-python", concurrency=1, dtype="Q4_1", note="not importable"),
+        fake("llama-server", 1, 110, 0.04, "Q4_1"), fake("llama-server", 8, 209, 0.17, "Q4_1"),
+        fake("llama-server", 32, 230, 0.5, "Q4_1"),
     ]
 
 
@@ -84,6 +86,28 @@ def test_compare_computes_ratios_and_verdicts() -> None:
     assert checks["stack overhead, p50 TTFT @1"].value == pytest.approx(1.0)
     ttft = checks["stack p50 TTFT @8 / @1"]
     assert ttft.value == pytest.approx(1.6) and ttft.status == "PASS"
+    server = checks["stack@32 / llama-server@32"]
+    assert server.value == pytest.approx(500 / 230) and server.ok
+    assert checks["stack@1 / llama-server@1 (stretch)"].value == pytest.approx(40 / 110)
+    reference = checks["llama-server p50 TTFT @8 / @1"]
+    assert reference.value == pytest.approx(0.17 / 0.04) and reference.status == "-"
+
+
+def test_llama_server_is_found_and_started_with_one_slot_per_stream(tmp_path, monkeypatch) -> None:
+    from bench.llama_server import CTX_PER_SLOT, find_binary, server_args
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    assert find_binary(str(binary)) == binary
+    monkeypatch.setenv("LLAMA_SERVER", str(binary))
+    assert find_binary() == binary
+    with pytest.raises(FileNotFoundError):  # a path given on the command line must be right
+        find_binary(str(tmp_path / "missing"))
+    args = server_args(binary, tmp_path / "m.gguf", 1234, 32, 2)
+    assert args[args.index("-np") + 1] == "32" and args[args.index("-c") + 1] == str(32 * CTX_PER_SLOT)
+    assert args[args.index("--port") + 1] == "1234" and args[args.index("-t") + 1] == "2"
 
 
 def test_tables_csv_and_plot(tmp_path) -> None:
@@ -141,3 +165,26 @@ def test_descendants_finds_a_child_process() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
+    """llama-server ends with an empty event carrying the finish reason and usage: not a token."""
+    import httpx
+
+    from bench.load import sse_request
+
+    def chunk(text: str, finish: str | None, usage: dict | None = None) -> str:
+        body = {"choices": [{"text": text, "index": 0, "finish_reason": finish}]}
+        if usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    stream = chunk("a", None) + chunk(" b", None) + chunk("", "length", {"completion_tokens": 2}) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=stream))
+
+    async def go() -> StreamTrace:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await sse_request(client, "http://peer/v1/completions", {})
+
+    trace = asyncio.run(go())
+    assert not trace.error and trace.tokens == 2 and len(trace.token_times) == 2
