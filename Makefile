@@ -63,7 +63,7 @@ $(PEERS)/build/bin/llama-server:
 	tar xzf $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS)
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(PEERS)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
 	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-	cmake --build $(PEERS)/build --target llama-server -j
+	cmake --build $(PEERS)/build --target llama-server --parallel $$(nproc)
 
 clean:
 	rm -rf .triton .pytest_cache build *.egg-info
