@@ -7,6 +7,7 @@ binary is not a project dependency; ``make bench-peers`` builds it (bench/README
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import closed_loop, completion_body, log_result, sse_request, warm_up
+from bench.load import drive_completions
 from bench.stack import REPO_ROOT, free_ports
-from bench.stats import RunResult, StreamTrace, from_traces
+from bench.stats import RunResult
 from bench.workload import Workload
 
 log = logging.getLogger(__name__)
@@ -100,27 +101,8 @@ class LlamaServer:
             self._log.close()
 
 
-async def _drive(base_url: str, workload: Workload) -> list[RunResult]:
-    url = f"{base_url}/v1/completions"
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    results = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        async def send(prompt: str, max_tokens: int) -> StreamTrace:
-            return await sse_request(client, url, completion_body(SYSTEM, prompt, max_tokens))
-
-        await warm_up(send, max(workload.concurrencies))
-        for c in workload.concurrencies:
-            traces, wall = await closed_loop(lambda p: send(p, workload.max_tokens), workload.prompts_for(c), c)
-            res = from_traces(SYSTEM, c, "Q4_1", traces, wall)
-            log_result(res, traces)
-            results.append(res)
-    return results
-
-
 def run_llama_server(workload: Workload, log_path: Path, binary: str | None = None) -> list[RunResult]:
     """The peer at every concurrency of ``workload``, or one skipped row saying why not."""
-    import asyncio
-
     from llm_engine.weights import default_gguf_path
 
     found = find_binary(binary)
@@ -129,4 +111,4 @@ def run_llama_server(workload: Workload, log_path: Path, binary: str | None = No
         log.warning("skipping the llama-server peer: %s", why)
         return [RunResult(system=SYSTEM, concurrency=max(workload.concurrencies), dtype="Q4_1", note=why)]
     with LlamaServer(found, default_gguf_path(), max(workload.concurrencies), log_path) as server:
-        return asyncio.run(_drive(server.base_url, workload))
+        return asyncio.run(drive_completions(server.base_url, SYSTEM, workload, SYSTEM, "Q4_1"))

@@ -97,6 +97,12 @@ async def sse_request(client: httpx.AsyncClient, url: str, body: dict) -> Stream
 
 async def drive_stack(base_url: str, model: str, workload: Workload, dtype: str) -> list[RunResult]:
     """The stack at each concurrency of ``workload``, after a warm-up (see :func:`warm_up`)."""
+    return await drive_completions(base_url, model, workload, "stack", dtype)
+
+
+async def drive_completions(base_url: str, model: str, workload: Workload, system: str,
+                            dtype: str) -> list[RunResult]:
+    """Any streaming ``/v1/completions`` server at each concurrency of ``workload``, after a warm-up."""
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     results = []
@@ -107,11 +113,11 @@ async def drive_stack(base_url: str, model: str, workload: Workload, dtype: str)
         await warm_up(send, max(workload.concurrencies))
 
         async def one(prompt: str) -> StreamTrace:
-            return await sse_request(client, url, completion_body(model, prompt, workload.max_tokens))
+            return await send(prompt, workload.max_tokens)
 
         for c in workload.concurrencies:
             traces, wall = await closed_loop(one, workload.prompts_for(c), c)
-            res = from_traces("stack", c, dtype, traces, wall)
+            res = from_traces(system, c, dtype, traces, wall)
             log_result(res, traces)
             results.append(res)
     return results
