@@ -47,7 +47,7 @@ lint: install
 bench: install
 	$(PY) -m bench.run
 
-# The llama.cpp peers of the bench (not project dependencies; about 10 minutes on 2 cores):
+# The llama.cpp peers of the bench (not project dependencies; 7-13 minutes on 2 cores):
 # llama-server and llama.cpp's shared libraries, built once from the llama.cpp that the
 # llama-cpp-python sdist vendors, then llama-cpp-python itself on those libraries.
 LLAMA_CPP_PYTHON ?= 0.3.36
