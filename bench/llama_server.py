@@ -13,13 +13,10 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
-
 from bench.load import drive_completions
-from bench.stack import REPO_ROOT, free_ports
+from bench.stack import REPO_ROOT, free_ports, wait_ready
 from bench.stats import RunResult
 from bench.workload import Workload
 
@@ -34,14 +31,15 @@ CTX_PER_SLOT = 256  # prompt (~15-25 tokens) + 64 new tokens, with room to spare
 def find_binary(explicit: str | None = None) -> Path | None:
     """``explicit`` (which must exist), else ``$LLAMA_SERVER``, else the ``make bench-peers`` build,
     else ``PATH``."""
+    def executable(path) -> bool:
+        return bool(path) and Path(path).is_file() and os.access(path, os.X_OK)
+
     if explicit is not None:
-        if not (Path(explicit).is_file() and os.access(explicit, os.X_OK)):
+        if not executable(explicit):
             raise FileNotFoundError(f"--llama-server {explicit}: not an executable file")
         return Path(explicit)
-    for candidate in (os.environ.get("LLAMA_SERVER"), PEERS_BUILD / "llama-server", shutil.which("llama-server")):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return Path(candidate)
-    return None
+    candidates = (os.environ.get("LLAMA_SERVER"), PEERS_BUILD / "llama-server", shutil.which("llama-server"))
+    return next((Path(c) for c in candidates if executable(c)), None)
 
 
 def has_amx() -> bool:
@@ -75,19 +73,12 @@ class LlamaServer:
         log.info("starting %s (log: %s)", " ".join(self.args), self.log_path)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.__exit__()
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError(f"llama-server was not ready in 120 s; see {self.log_path}")
+        try:
+            wait_ready(self.proc, f"{self.base_url}/health", 120, SYSTEM, self.log_path)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:

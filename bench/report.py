@@ -8,10 +8,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.llama_server import SYSTEM as LLAMA_SERVER
 from bench.machine import GFLOP_PER_TOKEN, MachineInfo
 from bench.stats import RunResult, percentile, ratio
 
-STACK, ENGINE, LLAMA_SERVER = "stack", "engine alone", "llama-server"
+STACK, ENGINE = "stack", "engine alone"
 CSV_FIELDS = ["system", "dtype", "concurrency", "requests", "output_tokens", "wall_s", "tok_per_s",
               "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "note"]
 

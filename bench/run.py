@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     _import_paths()
 
     from bench.engine_alone import run_engine_alone
+    from bench.llama_server import SYSTEM as LLAMA_SERVER
     from bench.llama_server import find_binary, run_llama_server
     from bench.load import drive_stack
     from bench.machine import measure
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             results += run_llama_server(workload, out / "llama-server.log", args.llama_server)
         except Exception as exc:  # a broken peer must not sink the whole run
             log.exception("peer llama-server failed")
-            results.append(RunResult(system="llama-server", concurrency=0, note=f"failed: {exc}"))
+            results.append(RunResult(system=LLAMA_SERVER, concurrency=0, note=f"failed: {exc}"))
 
     checks = compare(results, machine, fp32_bytes)
     write_csv(out / "results.csv", results)

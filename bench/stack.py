@@ -70,6 +70,22 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float, what: str, log_path: Path,
+               poll: float = 0.5) -> None:
+    """Return once ``url`` answers 200; raise if ``proc`` exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    raise RuntimeError(f"{what} was not ready in {timeout:.0f}s; see {log_path}")
+
+
 class Stack:
     """A supervised tritonserver + adapter owned by the bench."""
 
@@ -95,18 +111,8 @@ class Stack:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "adapter.launch", "--config", str(self.config_path)],
             cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"adapter.launch exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.base_url}/v2/health/ready", timeout=2).status_code == 200:
-                    log.info("stack ready")
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"the stack was not ready in {timeout:.0f}s; see {self.log_path}")
+        wait_ready(self.proc, f"{self.base_url}/v2/health/ready", timeout, "the stack", self.log_path, poll=1.0)
+        log.info("stack ready")
 
     def _log_match(self, pattern: str) -> str:
         try:

@@ -188,3 +188,12 @@ def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
 
     trace = asyncio.run(go())
     assert not trace.error and trace.tokens == 2 and len(trace.token_times) == 2
+
+
+def test_wait_ready_fails_fast_when_the_server_exits(tmp_path) -> None:
+    from bench.stack import wait_ready
+
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        wait_ready(proc, "http://127.0.0.1:9/health", 30, "peer", tmp_path / "peer.log")
