@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from llm_engine.engine import EngineLimits, fill_defaults
+from llm_engine.admission import EngineLimits, fill_defaults
 from llm_engine.errors import InvalidParameter
 from llm_engine.params import parse_sampling_parameters
 from llm_engine.weights import model_limits

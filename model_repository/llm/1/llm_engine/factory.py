@@ -7,9 +7,10 @@ import time
 
 import torch
 
+from .admission import EngineLimits
 from .config import Settings
 from .device import select_cpu_threads, select_device, select_dtype
-from .engine import Engine, EngineLimits
+from .engine import Engine
 from .kv_cache import BlockManager
 from .runner import ModelRunner
 from .scheduler import Scheduler

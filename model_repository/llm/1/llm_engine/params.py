@@ -44,7 +44,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Whether sampling is off. An unset temperature counts as sampling here: the engine
-        fills the model's default in (:func:`llm_engine.engine.fill_defaults`) and checks again."""
+        fills the model's default in (:func:`llm_engine.admission.fill_defaults`) and checks again."""
         return (self.temperature is not None and self.temperature < 1e-6) or self.do_sample is False
 
     @property
