@@ -29,10 +29,12 @@ from pathlib import Path
 import httpx
 from llm_engine.config import CONFIG_ENV, default_config_path, load_settings
 from llm_engine.contract import CANCEL_FLAG_DIR_PREFIX
+from llm_engine.cpu_cores import ENGINE_CPUS_ENV, CoreSplit, plan_split
 from llm_engine.weights import resolve_model_dir
 
 from adapter.tritonserver import (
     REPO_ROOT,
+    llm_config,
     load_llm,
     new_admin_key,
     prepare_backend,
@@ -65,6 +67,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(cpus: tuple[int, ...] | None):
+    """``preexec_fn`` for tritonserver and the adapter: die with us, and run on ``cpus`` if given."""
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, cpus)
+    return setup
+
+
+def accelerator_present(dev: Path = Path("/dev")) -> bool:
+    """An NVIDIA GPU or an Ascend NPU device node: the engine may not run on the CPU."""
+    return any(dev.glob("nvidia[0-9]*")) or any(dev.glob("davinci[0-9]*"))
+
+
+def engine_cores(settings, model_repository: Path) -> CoreSplit | None:
+    """The CPU split the engine will use (llm_engine.cpu_cores), or ``None`` off the CPU."""
+    mc = settings.model
+    if mc.device in ("cuda", "npu") or (mc.device == "auto" and accelerator_present()):
+        return None
+    config = llm_config(model_repository / settings.triton.modelName, settings)
+    instances = sum(int(g.get("count", 1)) for g in config.get("instance_group") or [{}])
+    return plan_split(mc.cpuAffinity, mc.cpuThreads, instances)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -92,6 +119,7 @@ class Supervisor:
         self.restarts = 0
         self.stubs: list[int] = []
         self.shm_prefix = ""
+        self.cores: CoreSplit | None = None
 
     # -- processes ------------------------------------------------------------------
     def _triton_ready(self) -> bool:
@@ -127,8 +155,15 @@ class Supervisor:
         key = new_admin_key()
         cmd = triton_command(self.paths, self.settings, self.model_repository, admin_key=key,
                              shm_prefix=self.shm_prefix)
+        self.cores = engine_cores(self.settings, self.model_repository)
+        env = dict(self.env)
+        if self.cores:
+            env[ENGINE_CPUS_ENV] = self.cores.env_value()
+            log.info("engine on CPUs %s; tritonserver and the adapter on CPUs %s",
+                     list(self.cores.engine), list(self.cores.rest))
         log.info("starting tritonserver (model %s)", self.settings.triton.modelName)
-        self.triton = subprocess.Popen(cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.triton = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                       preexec_fn=_child_setup(self.cores.rest if self.cores else None))
         deadline = time.monotonic() + timeout
         loader: threading.Thread | None = None
         load_errors: list[Exception] = []
@@ -162,7 +197,7 @@ class Supervisor:
         paths = [str(REPO_ROOT), str(self.model_repository / "llm" / "1"), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         self.adapter = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=_child_setup(self.cores.rest if self.cores else None))
         srv = self.settings.server
         scheme = "https" if srv.httpsEnabled else "http"
         base = f"{scheme}://{srv.ipAddress}:{srv.port}"

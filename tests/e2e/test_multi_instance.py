@@ -47,6 +47,11 @@ def test_two_instances_share_the_load(tmp_path, monkeypatch):
                 per_instance[instance] = float(line.rsplit(" ", 1)[1])
         assert len(per_instance) == 2, per_instance
         assert all(v > 0 for v in per_instance.values()), per_instance
+        # two engines would share the pinned cores: the launcher leaves every thread unpinned
+        assert stack.sup.cores is None
+        everything = os.sched_getaffinity(0)
+        for pid in (stack.sup.triton.pid, *stack.sup.stubs):
+            assert os.sched_getaffinity(pid) == everything
         _unary_cancel_reaches_whichever_instance_runs_it(stack)
     finally:
         stack.stop()

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from adapter.errors import overloaded_error
-from adapter.launch import remove_shm_leftovers
+from adapter.launch import accelerator_present, engine_cores, remove_shm_leftovers
 from adapter.service import BoundedStreamingResponse, SlowReader, to_mindie
 from adapter.triton import TritonError, TritonUnavailable
 
@@ -117,3 +117,46 @@ def test_an_unexpected_error_is_a_500_in_the_mindie_envelope():
     r = TestClient(app, raise_server_exceptions=False).get("/bug")
     assert r.status_code == 500
     assert r.json() == {"error": "Failed to get engine response.", "error_type": "Incomplete Generation"}
+
+
+def test_an_accelerator_device_node_means_the_engine_may_not_be_on_the_cpu(tmp_path):
+    assert not accelerator_present(tmp_path)
+    (tmp_path / "nvidiactl").touch()  # the driver alone, no GPU
+    assert not accelerator_present(tmp_path)
+    (tmp_path / "davinci0").touch()
+    assert accelerator_present(tmp_path)
+
+
+def _settings(tmp_path, device: str, affinity: str):
+    from llm_engine.config import load_settings
+
+    from tests.conftest import write_settings
+
+    settings = load_settings(write_settings(tmp_path))
+    settings.model.device, settings.model.cpuAffinity = device, affinity
+    return settings
+
+
+@pytest.mark.parametrize("device, affinity", [("cuda", "auto"), ("npu", "auto"), ("cpu", "off")])
+def test_the_launcher_pins_nothing_off_the_cpu_or_when_told(device, affinity, tmp_path):
+    from tests.conftest import ROOT
+
+    assert engine_cores(_settings(tmp_path, device, affinity), ROOT / "model_repository") is None
+
+
+def test_the_launcher_splits_by_the_models_instance_count(tmp_path, monkeypatch):
+    from llm_engine.cpu_cores import CoreSplit
+
+    from tests.conftest import ROOT
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MINDIE_ENGINE_CPUS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    settings = _settings(tmp_path, "cpu", "auto")
+    assert engine_cores(settings, ROOT / "model_repository") == CoreSplit(engine=(1, 2, 3), rest=(0,))
+    repo = tmp_path / "repo"
+    (repo / "llm").mkdir(parents=True)
+    config = (ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
+    assert "count: 1," in config
+    (repo / "llm" / "config.pbtxt").write_text(config.replace("count: 1,", "count: 2,"))
+    assert engine_cores(settings, repo) is None

@@ -87,7 +87,7 @@ def test_rotate_is_bit_identical_to_the_rotate_half_form(dtype):
 
 
 def test_cpu_threads_leave_a_core_unless_told(monkeypatch):
-    from llm_engine.device import select_cpu_threads
+    from llm_engine.cpu_cores import select_cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)

@@ -69,6 +69,10 @@ class ModelSection(_Section):
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
     cpuThreads: int = Field(
         0, ge=0, description="torch threads on CPU; 0 = $OMP_NUM_THREADS if set, else cores - 1")
+    cpuAffinity: Literal["auto", "off"] = Field(
+        "auto", description="auto: on CPU with one model instance, pin the engine's threads to the last "
+                            "cpuThreads cores and tritonserver, the adapter and the stub's other threads to "
+                            "the others (see llm_engine/cpu_cores.py); off: let the OS place every thread")
 
     @field_validator("modelName")
     @classmethod

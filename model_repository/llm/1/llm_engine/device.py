@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import time
 
 import torch
@@ -73,20 +72,3 @@ def select_dtype(name: str, device: torch.device, hidden: int = 576, inter: int 
     log.info("dtype auto: fp32 %.2f ms, bf16 %.2f ms per 30 Linear calls -> %s",
              timings[torch.float32] * 1e3, timings[torch.bfloat16] * 1e3, best)
     return best
-
-
-def select_cpu_threads(setting: int) -> int:
-    """torch's intra-op threads on CPU: the setting, else ``$OMP_NUM_THREADS``, else cores - 1.
-
-    The engine shares the machine with tritonserver, the adapter and often the clients.
-    When one of them takes a core in the middle of an op, a thread team spanning every
-    core waits for it at each barrier (on 2 cores, a float32 softmax took 1.2-8 ms with
-    2 threads against 21 us with 1), so one core is left to them by default.
-    """
-    if setting:
-        return setting
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)

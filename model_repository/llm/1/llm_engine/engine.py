@@ -19,6 +19,7 @@ from . import contract
 from .admission import EngineLimits, admit
 from .batch import build_step_input
 from .beam_steps import BeamSteps
+from .cpu_cores import CoreSplit, pin_current_thread
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineError, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
@@ -34,7 +35,7 @@ SLOW_STEP_SECONDS = 1.0  # a step slower than this is logged with what it ran
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, blocks: BlockManager, scheduler: Scheduler,
-                 limits: EngineLimits, eos_token_ids: list[int], metrics=None):
+                 limits: EngineLimits, eos_token_ids: list[int], metrics=None, cores: CoreSplit | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.blocks = blocks
@@ -42,6 +43,7 @@ class Engine:
         self.limits = limits
         self.eos_token_ids = eos_token_ids
         self.metrics = metrics
+        self.cores = cores  # when set, the engine thread runs on cores.engine (see cpu_cores)
         self._inbox: deque[Request] = deque()
         self._wake = threading.Condition()
         self._stop = False
@@ -100,6 +102,8 @@ class Engine:
     # -- the loop -----------------------------------------------------------------
     def _loop(self) -> None:
         log.info("engine loop started")
+        if self.cores:
+            pin_current_thread(self.cores.engine, "the engine thread")
         while True:
             with self._wake:
                 while not self._stop and not self._inbox and not self.scheduler.requests():

@@ -9,7 +9,8 @@ import torch
 
 from .admission import EngineLimits
 from .config import Settings
-from .device import select_cpu_threads, select_device, select_dtype
+from .cpu_cores import plan_split, select_cpu_threads
+from .device import select_device, select_dtype
 from .engine import Engine
 from .kv_cache import BlockManager
 from .runner import ModelRunner
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 REQUIRED_MODULES = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 
-def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine:
+def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances: int = 1) -> Engine:
+    """``instances``: how many engines this model runs on the machine (Triton's instance count)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.monotonic()
@@ -29,8 +31,10 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
     model_dir = resolve_model_dir(mc.modelWeightPath)
     log.info("loading %s from %s", mc.modelName, model_dir)
     device = select_device(mc.device, device_id)
+    cores = None
     if device.type == "cpu":
         torch.set_num_threads(select_cpu_threads(mc.cpuThreads))
+        cores = plan_split(mc.cpuAffinity, mc.cpuThreads, instances)
     config = AutoConfig.from_pretrained(model_dir)
     dtype = select_dtype(mc.dtype, device, config.hidden_size, getattr(config, "intermediate_size", 1536))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -60,12 +64,13 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None) -> Engine
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids.append(tokenizer.eos_token_id)
-    engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics)
+    engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics, cores)
     log.info(
-        "engine ready in %.1fs: device=%s threads=%d dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
+        "engine ready in %.1fs: device=%s threads=%d cpus=%s dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
         "maxBatchSize=%d maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s "
         "default top_k=%d temperature=%g",
-        time.monotonic() - t0, device, torch.get_num_threads(), str(dtype).removeprefix("torch."), num_blocks,
+        time.monotonic() - t0, device, torch.get_num_threads(),
+        f"engine {list(cores.engine)}, rest {list(cores.rest)}" if cores else "unpinned", str(dtype).removeprefix("torch."), num_blocks,
         block_size,
         num_blocks * block_size * per_token / 2**20, sched.maxBatchSize, sched.maxPrefillTokens,
         deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids, limits.default_top_k,
