@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.load import closed_loop, log_result, warm_up
+from bench.load import clients_on, closed_loop, log_result, warm_up
 from bench.stats import RunResult, StreamTrace, from_traces
 from bench.workload import Workload
 
@@ -70,10 +70,13 @@ def run_engine_alone(config_path: Path | None, workload: Workload, dtype: str = 
     threads = torch.get_num_threads()  # build_engine applies cpuThreads; the peers run after us
     engine = build_engine(settings)
     dtype = str(engine.runner.dtype).removeprefix("torch.")
-    log.info("engine alone: %s, %d torch threads", dtype, torch.get_num_threads())
+    cores = engine.cores
+    log.info("engine alone: %s, %d torch threads, %s", dtype, torch.get_num_threads(),
+             f"engine on CPUs {list(cores.engine)}, clients on {list(cores.rest)}" if cores else "unpinned")
     engine.start()
     try:
-        return asyncio.run(_drive(engine, workload, dtype))
+        with clients_on(cores.rest if cores else None):
+            return asyncio.run(_drive(engine, workload, dtype))
     finally:
         engine.stop()
         torch.set_num_threads(threads)

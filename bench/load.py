@@ -7,20 +7,40 @@ Used for the stack (SSE over HTTP with httpx) and for the engine alone (in-proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 
 import httpx
 
-from bench.stats import RunResult, StreamTrace, from_traces
+from bench.stats import STAGGERED, RunResult, StreamTrace, from_traces
 from bench.workload import Workload, make_prompts
 
 log = logging.getLogger(__name__)
 
 OneRequest = Callable[[str], Awaitable[StreamTrace]]
 SendRequest = Callable[[str, int], Awaitable[StreamTrace]]
+
+
+@contextlib.contextmanager
+def clients_on(cpus: tuple[int, ...] | None):
+    """Run this thread (the bench's asyncio clients) on ``cpus`` within the block.
+
+    With the engine pinned (``ModelConfig.cpuAffinity``), the clients stay off its cores
+    like the rest of the stack, as remote clients would; ``None`` changes nothing.
+    """
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 async def warm_up(send: SendRequest, concurrency: int) -> None:
@@ -38,18 +58,48 @@ async def warm_up(send: SendRequest, concurrency: int) -> None:
         raise RuntimeError(f"{len(failed)} warm-up request(s) failed, e.g. {failed[0]}")
 
 
-async def closed_loop(one: OneRequest, prompts: list[str], concurrency: int) -> tuple[list[StreamTrace], float]:
-    """Run ``prompts`` through ``concurrency`` clients; return the traces and the wall time."""
+async def closed_loop(one: OneRequest, prompts: list[str], concurrency: int, stagger_s: float = 0.0,
+                      unmeasured_per_client: int = 0) -> tuple[list[StreamTrace], float]:
+    """Run ``prompts`` through ``concurrency`` clients; return the traces and the wall time.
+
+    With ``stagger_s``, client ``i`` starts ``i * stagger_s / concurrency`` later, and the
+    first ``unmeasured_per_client`` requests of each client are sent but not returned
+    (they arrive while the other clients are still starting).
+    """
     queues = [prompts[i::concurrency] for i in range(concurrency)]
     traces: list[StreamTrace] = []
 
-    async def client(mine: list[str]) -> None:
-        for prompt in mine:
-            traces.append(await one(prompt))
+    async def client(i: int, mine: list[str]) -> None:
+        if stagger_s:
+            await asyncio.sleep(i * stagger_s / concurrency)
+        for k, prompt in enumerate(mine):
+            trace = await one(prompt)
+            if k >= unmeasured_per_client:
+                traces.append(trace)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(client(q) for q in queues))
+    await asyncio.gather(*(client(i, q) for i, q in enumerate(queues)))
     return traces, time.perf_counter() - t0
+
+
+async def staggered(one: OneRequest, workload: Workload, concurrency: int, lockstep: list[StreamTrace],
+                    system: str, dtype: str) -> RunResult:
+    """TTFT of newcomers that arrive while the other clients decode.
+
+    In the closed loop every client asks for the same number of tokens, so all of them
+    finish in the same step and send their next request together: each round is a burst
+    of prefills. Here client ``i`` starts ``i / c`` of a request's duration (the mean of
+    the ``lockstep`` run) after client 0, and only requests sent after every client has
+    started are measured: each one arrives while the other ``c - 1`` decode.
+    """
+    done = [t.token_times[-1] - t.sent for t in lockstep if t.token_times and not t.error]
+    period = sum(done) / len(done) if done else 1.0
+    prompts = make_prompts(concurrency * (workload.rounds + 1))
+    traces, wall = await closed_loop(one, prompts, concurrency, stagger_s=period, unmeasured_per_client=1)
+    res = from_traces(f"{system} {STAGGERED}", concurrency, dtype, traces, wall)
+    res.note = f"clients start {1e3 * period / concurrency:.0f} ms apart; for TTFT (tok/s includes the ramp)"
+    log_result(res, traces)
+    return res
 
 
 def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
@@ -120,6 +170,8 @@ async def drive_completions(base_url: str, model: str, workload: Workload, syste
             res = from_traces(system, c, dtype, traces, wall)
             log_result(res, traces)
             results.append(res)
+            if c in workload.staggered:
+                results.append(await staggered(one, workload, c, traces, system, dtype))
     return results
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench.llama_server import SYSTEM as LLAMA_SERVER
 from bench.machine import GFLOP_PER_TOKEN, MachineInfo
-from bench.stats import RunResult, percentile, ratio
+from bench.stats import STAGGERED, RunResult, percentile, ratio
 
 STACK, ENGINE = "stack", "engine alone"
 CSV_FIELDS = ["system", "dtype", "concurrency", "requests", "output_tokens", "wall_s", "tok_per_s",
@@ -121,6 +121,13 @@ def compare(results: list[RunResult], machine: MachineInfo, fp32_weight_bytes: i
                         None if math.isnan(ttft_ratio) else ttft_ratio <= 2))
     peer = ratio(_ttft50(find(results, LLAMA_SERVER, mid)), _ttft50(find(results, LLAMA_SERVER, 1)))
     checks.append(Check(f"llama-server p50 TTFT @{mid} / @1", peer, "x", "(the peer, for reference)", None))
+    # the same target with arrivals spread out: each newcomer finds the others decoding
+    spread = ratio(_ttft50(find(results, f"{STACK} {STAGGERED}", mid)), _ttft50(s_one))
+    checks.append(Check(f"stack p50 TTFT @{mid} {STAGGERED} / @1", spread, "x", "<= 2x",
+                        None if math.isnan(spread) else spread <= 2))
+    peer = ratio(_ttft50(find(results, f"{LLAMA_SERVER} {STAGGERED}", mid)), _ttft50(find(results, LLAMA_SERVER, 1)))
+    checks.append(Check(f"llama-server p50 TTFT @{mid} {STAGGERED} / @1", peer, "x", "(the peer, for reference)",
+                        None))
     return checks
 
 

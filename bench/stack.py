@@ -129,6 +129,13 @@ class Stack:
         """The model's torch threads on CPU, from its "engine ready" log line ("" if not found)."""
         return self._log_match(r"engine ready .*?threads=(\d+)")
 
+    def rest_cpus(self) -> tuple[int, ...] | None:
+        """The CPUs the launcher gave tritonserver and the adapter when it pinned the engine."""
+        from llm_engine.cpu_cores import parse_cpus
+
+        found = self._log_match(r"tritonserver and the adapter on CPUs \[([\d, ]*)\]")
+        return parse_cpus(found) or None
+
     def dtype_decision(self) -> str:
         """The model's "dtype auto: ..." timing line, when the settings say ``auto``."""
         return self._log_match(r"dtype auto: ([^\n]*)")

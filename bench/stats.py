@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+STAGGERED = "staggered"  # suffix of a system's name for its staggered-start run (bench.load.staggered)
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile ``q`` in [0, 100]; NaN for an empty sequence."""

@@ -36,6 +36,7 @@ class Workload:
     concurrencies: tuple[int, ...] = (1, 8, 32)
     rounds: int = 2  # closed loop: each of the c clients sends this many requests in turn
     min_requests: int = 8  # at low concurrency, more rounds so that percentiles have samples
+    staggered: tuple[int, ...] = (8,)  # also run these with clients starting apart (bench.load.staggered)
     peer_batch: int = 32  # prompts in the static-batch and continuous-batching peers
     naive_requests: int = 4  # sequential requests for the one-at-a-time peers
     quick: bool = False
@@ -45,5 +46,5 @@ class Workload:
 
 
 FULL = Workload()
-QUICK = Workload(max_tokens=8, concurrencies=(1, 4), rounds=1, min_requests=2, peer_batch=4, naive_requests=2,
-                 quick=True)
+QUICK = Workload(max_tokens=8, concurrencies=(1, 4), rounds=1, min_requests=2, staggered=(4,), peer_batch=4,
+                 naive_requests=2, quick=True)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from bench.load import closed_loop
+from bench.load import closed_loop, staggered
 from bench.machine import MachineInfo
 from bench.report import checks_table, compare, plot, results_table, write_checks_csv, write_csv
 from bench.stack import descendants, write_settings
@@ -39,6 +39,7 @@ def fake_results() -> list[RunResult]:
         RunResult(system="llama-cpp-python", concurrency=1, dtype="Q4_1", note="not importable"),
         fake("llama-server", 1, 110, 0.04, "Q4_1"), fake("llama-server", 8, 209, 0.17, "Q4_1"),
         fake("llama-server", 32, 230, 0.5, "Q4_1"),
+        fake("stack staggered", 8, 150, 0.120), fake("llama-server staggered", 8, 180, 0.1, "Q4_1"),
     ]
 
 
@@ -91,6 +92,9 @@ def test_compare_computes_ratios_and_verdicts() -> None:
     assert checks["stack@1 / llama-server@1 (stretch)"].value == pytest.approx(40 / 110)
     reference = checks["llama-server p50 TTFT @8 / @1"]
     assert reference.value == pytest.approx(0.17 / 0.04) and reference.status == "-"
+    spread = checks["stack p50 TTFT @8 staggered / @1"]
+    assert spread.value == pytest.approx(2.4) and spread.status == "FAIL"
+    assert checks["llama-server p50 TTFT @8 staggered / @1"].value == pytest.approx(0.1 / 0.04)
 
 
 def test_llama_server_is_found_and_started_with_one_slot_per_stream(tmp_path, monkeypatch) -> None:
@@ -146,6 +150,26 @@ def test_closed_loop_runs_every_prompt_with_bounded_concurrency() -> None:
 
     traces, wall = asyncio.run(closed_loop(one, ["a", "bb", "ccc", "dddd", "e"], 2))
     assert sorted(t.tokens for t in traces) == [1, 1, 2, 3, 4] and peak == 2 and wall > 0
+
+
+def test_staggered_clients_start_apart_and_measure_only_requests_sent_after_the_ramp() -> None:
+    starts: dict[str, float] = {}
+
+    async def one(prompt: str) -> StreamTrace:
+        now = asyncio.get_running_loop().time()
+        starts[prompt] = now
+        await asyncio.sleep(0.04)
+        return StreamTrace(sent=now, token_times=[now + 0.01, now + 0.04], tokens=2)
+
+    lockstep = [StreamTrace(sent=0.0, token_times=[0.01, 0.08])]  # requests took 80 ms
+    res = asyncio.run(staggered(one, QUICK, 4, lockstep, "stack", "float32"))
+    assert res.system == "stack staggered" and res.concurrency == 4
+    prompts = make_prompts(4 * (QUICK.rounds + 1))
+    assert len(starts) == len(prompts) and res.requests == 4 * QUICK.rounds
+    firsts = sorted(starts[p] for p in prompts[:4])  # each client's first request: 20 ms apart
+    gaps = [b - a for a, b in zip(firsts, firsts[1:])]
+    assert all(0.015 < g < 0.05 for g in gaps), gaps
+    assert "20 ms apart" in res.note
 
 
 def test_settings_copy_moves_every_port(tmp_path) -> None:
