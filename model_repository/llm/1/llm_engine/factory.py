@@ -65,12 +65,12 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids.append(tokenizer.eos_token_id)
     engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics, cores)
+    cpus = f"engine {list(cores.engine)}, rest {list(cores.rest)}" if cores else "unpinned"
     log.info(
         "engine ready in %.1fs: device=%s threads=%d cpus=%s dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
         "maxBatchSize=%d maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s "
         "default top_k=%d temperature=%g",
-        time.monotonic() - t0, device, torch.get_num_threads(),
-        f"engine {list(cores.engine)}, rest {list(cores.rest)}" if cores else "unpinned", str(dtype).removeprefix("torch."), num_blocks,
+        time.monotonic() - t0, device, torch.get_num_threads(), cpus, str(dtype).removeprefix("torch."), num_blocks,
         block_size,
         num_blocks * block_size * per_token / 2**20, sched.maxBatchSize, sched.maxPrefillTokens,
         deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids, limits.default_top_k,
