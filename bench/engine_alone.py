@@ -8,14 +8,15 @@ the same point a streaming client would see them, minus HTTP, the adapter and Tr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from bench.load import clients_on, closed_loop, log_result, warm_up
-from bench.stats import RunResult, StreamTrace, from_traces
-from bench.workload import Workload
+from bench.load import SendRequest
+from bench.stats import StreamTrace
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,14 @@ async def engine_request(engine, prompt: str, max_tokens: int) -> StreamTrace:
             return trace
 
 
-def run_engine_alone(config_path: Path | None, workload: Workload, dtype: str = "") -> list[RunResult]:
-    """Build the engine from the same settings file as the stack and run every concurrency.
+@contextlib.contextmanager
+def engine_alone(config_path: Path | None, dtype: str = "") -> Iterator[SendRequest]:
+    """Build the engine from the same settings file as the stack; yield its ``send``.
 
     ``dtype`` (the one the stack's engine chose) overrides the file's: ``auto`` is decided
-    per process by a short timing, and the overhead comparison needs the same dtype.
+    per process by a short timing, and the overhead comparison needs the same dtype. The
+    engine thread pins itself as in the stack; torch's thread count is restored on exit
+    for the peers that run after.
     """
     import torch
     from llm_engine.config import load_settings
@@ -67,34 +71,18 @@ def run_engine_alone(config_path: Path | None, workload: Workload, dtype: str = 
     settings = load_settings(config_path)
     if dtype:
         settings.model.dtype = dtype
-    threads = torch.get_num_threads()  # build_engine applies cpuThreads; the peers run after us
+    threads = torch.get_num_threads()
     engine = build_engine(settings)
-    dtype = str(engine.runner.dtype).removeprefix("torch.")
     cores = engine.cores
-    log.info("engine alone: %s, %d torch threads, %s", dtype, torch.get_num_threads(),
-             f"engine on CPUs {list(cores.engine)}, clients on {list(cores.rest)}" if cores else "unpinned")
+    log.info("engine alone: %s, %d torch threads, %s", str(engine.runner.dtype).removeprefix("torch."),
+             torch.get_num_threads(), f"on CPUs {list(cores.engine)}" if cores else "unpinned")
     engine.start()
-    try:
-        with clients_on(cores.rest if cores else None):
-            return asyncio.run(_drive(engine, workload, dtype))
-    finally:
-        engine.stop()
-        torch.set_num_threads(threads)
 
-
-async def _drive(engine, workload: Workload, dtype: str) -> list[RunResult]:
     async def send(prompt: str, max_tokens: int) -> StreamTrace:
         return await engine_request(engine, prompt, max_tokens)
 
-    await warm_up(send, max(workload.concurrencies))
-
-    async def one(prompt: str) -> StreamTrace:
-        return await engine_request(engine, prompt, workload.max_tokens)
-
-    results = []
-    for c in workload.concurrencies:
-        traces, wall = await closed_loop(one, workload.prompts_for(c), c)
-        res = from_traces("engine alone", c, dtype, traces, wall)
-        log_result(res, traces)
-        results.append(res)
-    return results
+    try:
+        yield send
+    finally:
+        engine.stop()
+        torch.set_num_threads(threads)

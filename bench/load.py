@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from bench.stats import STAGGERED, RunResult, StreamTrace, from_traces
+from bench.stats import ENGINE, STACK, STAGGERED, RunResult, StreamTrace, from_traces
 from bench.workload import Workload, make_prompts
 
 log = logging.getLogger(__name__)
@@ -145,34 +145,71 @@ async def sse_request(client: httpx.AsyncClient, url: str, body: dict) -> Stream
     return trace
 
 
-async def drive_stack(base_url: str, model: str, workload: Workload, dtype: str) -> list[RunResult]:
-    """The stack at each concurrency of ``workload``, after a warm-up (see :func:`warm_up`)."""
-    return await drive_completions(base_url, model, workload, "stack", dtype)
+def http_client() -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
+
+
+def completions_sender(client: httpx.AsyncClient, base_url: str, model: str) -> SendRequest:
+    """``send(prompt, max_tokens)`` as one streaming ``/v1/completions`` call."""
+    url = f"{base_url}/v1/completions"
+
+    async def send(prompt: str, max_tokens: int) -> StreamTrace:
+        return await sse_request(client, url, completion_body(model, prompt, max_tokens))
+    return send
 
 
 async def drive_completions(base_url: str, model: str, workload: Workload, system: str,
                             dtype: str) -> list[RunResult]:
-    """Any streaming ``/v1/completions`` server at each concurrency of ``workload``, after a warm-up."""
-    url = f"{base_url}/v1/completions"
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    results = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        async def send(prompt: str, max_tokens: int) -> StreamTrace:
-            return await sse_request(client, url, completion_body(model, prompt, max_tokens))
+    """Any streaming ``/v1/completions`` server, as :func:`drive` runs it (with its staggered run)."""
+    async with http_client() as client:
+        return await drive({system: completions_sender(client, base_url, model)}, workload, dtype,
+                           stagger=(system,))
 
+
+async def drive_stack_and_engine(base_url: str, model: str, engine_send: SendRequest, workload: Workload,
+                                 dtype: str) -> list[RunResult]:
+    """The stack and the engine alone, taking turns (see :func:`drive`); the stack also staggered."""
+    async with http_client() as client:
+        systems = {STACK: completions_sender(client, base_url, model), ENGINE: engine_send}
+        return await drive(systems, workload, dtype, stagger=(STACK,))
+
+
+async def drive(systems: dict[str, SendRequest], workload: Workload, dtype: str,
+                stagger: tuple[str, ...] = ()) -> list[RunResult]:
+    """Every system at each concurrency of ``workload``, after a warm-up each (:func:`warm_up`).
+
+    The prompts of a level are split into ``workload.repeats`` parts, and the systems take
+    turns over them in A B B A order, so that a machine whose speed drifts within minutes
+    shifts every system alike; each system's parts are pooled into one result. Systems
+    named in ``stagger`` also get the staggered run at ``workload.staggered`` levels.
+    """
+    for send in systems.values():
         await warm_up(send, max(workload.concurrencies))
-
-        async def one(prompt: str) -> StreamTrace:
-            return await send(prompt, workload.max_tokens)
-
-        for c in workload.concurrencies:
-            traces, wall = await closed_loop(one, workload.prompts_for(c), c)
-            res = from_traces(system, c, dtype, traces, wall)
+    results = []
+    for c in workload.concurrencies:
+        prompts = workload.prompts_for(c)
+        pooled: dict[str, tuple[list[StreamTrace], float]] = {name: ([], 0.0) for name in systems}
+        for part in range(workload.repeats):
+            order = list(systems) if part % 2 == 0 else list(reversed(systems))
+            for name in order:
+                traces, wall = await closed_loop(_one(systems[name], workload.max_tokens),
+                                                 prompts[part::workload.repeats], c)
+                pooled[name] = (pooled[name][0] + traces, pooled[name][1] + wall)
+        for name, (traces, wall) in pooled.items():
+            res = from_traces(name, c, dtype, traces, wall)
             log_result(res, traces)
             results.append(res)
-            if c in workload.staggered:
-                results.append(await staggered(one, workload, c, traces, system, dtype))
+            if name in stagger and c in workload.staggered:
+                results.append(await staggered(_one(systems[name], workload.max_tokens), workload, c, traces,
+                                               name, dtype))
     return results
+
+
+def _one(send: SendRequest, max_tokens: int) -> OneRequest:
+    async def one(prompt: str) -> StreamTrace:
+        return await send(prompt, max_tokens)
+    return one
 
 
 def log_result(res: RunResult, traces: list[StreamTrace]) -> None:

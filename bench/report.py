@@ -10,9 +10,8 @@ from pathlib import Path
 
 from bench.llama_server import SYSTEM as LLAMA_SERVER
 from bench.machine import GFLOP_PER_TOKEN, MachineInfo
-from bench.stats import STAGGERED, RunResult, percentile, ratio
+from bench.stats import ENGINE, STACK, STAGGERED, RunResult, percentile, ratio
 
-STACK, ENGINE = "stack", "engine alone"
 CSV_FIELDS = ["system", "dtype", "concurrency", "requests", "output_tokens", "wall_s", "tok_per_s",
               "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors", "note"]
 

@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _import_paths()
 
-    from bench.engine_alone import run_engine_alone
+    from bench.engine_alone import engine_alone
     from bench.llama_server import SYSTEM as LLAMA_SERVER
     from bench.llama_server import find_binary, run_llama_server
-    from bench.load import clients_on, drive_stack
+    from bench.load import clients_on, drive_stack_and_engine
     from bench.machine import measure
     from bench.peers import run_peers
     from bench.report import (
@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         stack_threads = stack.engine_threads()
         log.info("the stack's engine runs %s (%s)", stack_dtype or "an unknown dtype (no 'engine ready' log line)",
                  dtype_auto or "dtype set in the settings")
-        with clients_on(stack.rest_cpus()):
-            results += asyncio.run(drive_stack(stack.base_url, stack.model_name, workload, stack_dtype))
-    results += run_engine_alone(args.config, workload, dtype=stack_dtype)
+        with engine_alone(args.config, stack_dtype) as engine_send, clients_on(stack.rest_cpus()):
+            results += asyncio.run(drive_stack_and_engine(stack.base_url, stack.model_name, engine_send, workload,
+                                                          stack_dtype))
     gc.collect()
     peer_results, fp32_bytes = run_peers(workload)
     results += peer_results

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+STACK, ENGINE = "stack", "engine alone"  # the two systems the overhead checks compare
 STAGGERED = "staggered"  # suffix of a system's name for its staggered-start run (bench.load.staggered)
 
 

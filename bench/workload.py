@@ -35,6 +35,7 @@ class Workload:
     max_tokens: int = 64
     concurrencies: tuple[int, ...] = (1, 8, 32)
     rounds: int = 2  # closed loop: each of the c clients sends this many requests in turn
+    repeats: int = 2  # the requests of a level are run in this many parts, systems taking turns (bench.load.drive)
     min_requests: int = 8  # at low concurrency, more rounds so that percentiles have samples
     staggered: tuple[int, ...] = (8,)  # also run these with clients starting apart (bench.load.staggered)
     peer_batch: int = 32  # prompts in the static-batch and continuous-batching peers
@@ -46,5 +47,5 @@ class Workload:
 
 
 FULL = Workload()
-QUICK = Workload(max_tokens=8, concurrencies=(1, 4), rounds=1, min_requests=2, staggered=(4,), peer_batch=4,
-                 naive_requests=2, quick=True)
+QUICK = Workload(max_tokens=8, concurrencies=(1, 4), rounds=1, repeats=1, min_requests=2, staggered=(4,),
+                 peer_batch=4, naive_requests=2, quick=True)

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from bench.load import closed_loop, staggered
+from bench.load import closed_loop, drive, staggered
 from bench.machine import MachineInfo
 from bench.report import checks_table, compare, plot, results_table, write_checks_csv, write_csv
 from bench.stack import descendants, write_settings
 from bench.stats import RunResult, StreamTrace, from_traces, percentile, ratio
-from bench.workload import QUICK, make_prompts
+from bench.workload import QUICK, Workload, make_prompts
 
 MACHINE = MachineInfo(cpu_model="Fake CPU", cores=2, torch_threads=2, fp32_gflops=100.0, bf16_gflops=400.0,
                       mem_read_gbs=27.0)
@@ -170,6 +170,28 @@ def test_staggered_clients_start_apart_and_measure_only_requests_sent_after_the_
     gaps = [b - a for a, b in zip(firsts, firsts[1:])]
     assert all(0.015 < g < 0.05 for g in gaps), gaps
     assert "20 ms apart" in res.note
+
+
+def test_systems_take_turns_and_each_gets_every_prompt_of_a_level() -> None:
+    calls: list[tuple[str, str, int]] = []
+
+    def system(name: str):
+        async def send(prompt: str, max_tokens: int) -> StreamTrace:
+            calls.append((name, prompt, max_tokens))
+            await asyncio.sleep(0)
+            return StreamTrace(sent=0.0, token_times=[0.01, 0.02], tokens=2)
+        return send
+
+    work = Workload(max_tokens=3, concurrencies=(2,), rounds=2, repeats=2, min_requests=4, staggered=(2,))
+    results = asyncio.run(drive({"a": system("a"), "b": system("b")}, work, "float32", stagger=("a",)))
+    timed = [(n, p) for n, p, m in calls if m == 3]
+    level, after = timed[:8], timed[8:]  # 4 prompts each, in 2 parts of 2; then a's staggered run
+    for name in "ab":
+        assert sorted(p for n, p in level if n == name) == sorted(work.prompts_for(2))
+    assert [n for n, _ in level] == ["a", "a", "b", "b", "b", "b", "a", "a"]  # A B B A
+    assert {n for n, _ in after} == {"a"}
+    names = [(r.system, r.concurrency, r.requests) for r in results]
+    assert names == [("a", 2, 4), ("a staggered", 2, 4), ("b", 2, 4)]
 
 
 def test_settings_copy_moves_every_port(tmp_path) -> None:
