@@ -43,6 +43,7 @@ from adapter.tritonserver import (
 )
 
 log = logging.getLogger("launch")
+CPU_SPLIT_LOG = "engine on CPUs %s; tritonserver and the adapter on CPUs %s"  # bench.stack reads it
 PR_SET_PDEATHSIG = 1
 
 
@@ -159,8 +160,7 @@ class Supervisor:
         env = dict(self.env)
         if self.cores:
             env[ENGINE_CPUS_ENV] = self.cores.env_value()
-            log.info("engine on CPUs %s; tritonserver and the adapter on CPUs %s",
-                     list(self.cores.engine), list(self.cores.rest))
+            log.info(CPU_SPLIT_LOG, list(self.cores.engine), list(self.cores.rest))
         log.info("starting tritonserver (model %s)", self.settings.triton.modelName)
         self.triton = subprocess.Popen(cmd, env=env, start_new_session=True,
                                        preexec_fn=_child_setup(self.cores.rest if self.cores else None))

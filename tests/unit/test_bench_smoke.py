@@ -194,6 +194,18 @@ def test_systems_take_turns_and_each_gets_every_prompt_of_a_level() -> None:
     assert names == [("a", 2, 4), ("a staggered", 2, 4), ("b", 2, 4)]
 
 
+def test_the_bench_reads_the_launchers_cpu_split_from_its_log(tmp_path) -> None:
+    from adapter.launch import CPU_SPLIT_LOG
+    from bench.stack import Stack
+
+    stack = Stack(tmp_path / "stack.log")
+    (tmp_path / "stack.log").write_text("INFO [launch] " + CPU_SPLIT_LOG % ([3], [0, 1, 2]) + "\n")
+    assert stack.rest_cpus() == (0, 1, 2)
+    (tmp_path / "stack.log").write_text("INFO [launch] starting tritonserver\n")
+    assert stack.rest_cpus() is None
+    stack.tmpdir.cleanup()
+
+
 def test_settings_copy_moves_every_port(tmp_path) -> None:
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"ServerConfig": {"port": 1025}, "TritonConfig": {"httpPort": 8000}}))
