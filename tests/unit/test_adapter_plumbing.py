@@ -152,6 +152,7 @@ def test_the_launcher_splits_by_the_models_instance_count(tmp_path, monkeypatch)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MINDIE_ENGINE_CPUS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr("llm_engine.cpu_cores.cpu_quota", lambda: None)
     settings = _settings(tmp_path, "cpu", "auto")
     assert engine_cores(settings, ROOT / "model_repository") == CoreSplit(engine=(1, 2, 3), rest=(0,))
     repo = tmp_path / "repo"

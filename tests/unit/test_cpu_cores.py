@@ -9,6 +9,7 @@ import pytest
 from llm_engine.cpu_cores import (
     ENGINE_CPUS_ENV,
     CoreSplit,
+    cpu_quota,
     parse_cpus,
     pin_current_thread,
     plan_split,
@@ -22,6 +23,8 @@ def cpus(monkeypatch):
     """Pretend this process may run on the given CPUs."""
     monkeypatch.delenv(ENGINE_CPUS_ENV, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    monkeypatch.setattr("llm_engine.cpu_cores.cpu_quota", lambda: None)
 
     def set_cpus(ids):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(ids))
@@ -85,6 +88,37 @@ def test_a_bad_environment_value_is_ignored(cpus, monkeypatch):
     assert plan_split("auto", 0, 1) == CoreSplit(engine=(1,), rest=(0,))
     monkeypatch.setenv(ENGINE_CPUS_ENV, "0-1")  # every CPU: nothing left for the rest
     assert plan_split("auto", 0, 1) is None
+
+
+def test_the_cgroup_quota_is_read_from_cgroup_v2_and_v1(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2) is None
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(v2) == 2.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(v1) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    assert cpu_quota(v1) == 4.0
+    assert cpu_quota(tmp_path / "none") is None
+    (v2 / "cpu.max").write_text("garbage")
+    assert cpu_quota(v2) is None
+
+
+def test_a_container_cpu_limit_caps_the_default_threads(cpus, monkeypatch):
+    cpus(range(64))  # a big node: the affinity mask shows every CPU
+    assert select_cpu_threads(0) == 63
+    monkeypatch.setattr("llm_engine.cpu_cores.cpu_quota", lambda: 3.5)  # limits: cpu: 3500m
+    assert select_cpu_threads(0) == 3
+    assert plan_split("auto", 0, 1) == CoreSplit(engine=(61, 62, 63), rest=tuple(range(61)))
+    monkeypatch.setattr("llm_engine.cpu_cores.cpu_quota", lambda: 0.5)
+    assert select_cpu_threads(0) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the environment still wins over the default
+    assert select_cpu_threads(0) == 3
 
 
 def _affinity_of(tid: int) -> tuple[int, ...]:

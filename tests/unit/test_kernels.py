@@ -84,16 +84,3 @@ def test_rotate_is_bit_identical_to_the_rotate_half_form(dtype):
     ref = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     sin_signed = torch.cat([-sin[..., : d // 2], sin[..., d // 2 :]], -1)
     assert torch.equal(rotate(x, cos, sin_signed), ref)
-
-
-def test_cpu_threads_leave_a_core_unless_told(monkeypatch):
-    from llm_engine.cpu_cores import select_cpu_threads
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert select_cpu_threads(0) == 1
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert select_cpu_threads(0) == 15
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert select_cpu_threads(0) == 3
-    assert select_cpu_threads(2) == 2

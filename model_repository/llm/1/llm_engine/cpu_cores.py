@@ -16,9 +16,11 @@ the launcher can use it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,31 @@ def available_cpus() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+def cpu_quota(cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU time this process's cgroup may use, in cores (CFS quota ÷ period, cgroup v2
+    or v1); ``None`` when unlimited or unknown. A container limited to 4 CPUs on a 64-core
+    node still sees 64 CPUs in its affinity mask."""
+    try:
+        v2 = cgroup / "cpu.max"
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        v1 = cgroup / "cpu"
+        if (v1 / "cpu.cfs_quota_us").is_file():
+            quota = int((v1 / "cpu.cfs_quota_us").read_text())
+            return None if quota <= 0 else quota / int((v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def usable_cores() -> int:
+    """CPUs this thread may run on, capped by the cgroup's CPU quota (rounded up)."""
+    cores = len(available_cpus())
+    quota = cpu_quota()
+    return min(cores, max(1, math.ceil(quota))) if quota else cores
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -68,7 +95,7 @@ def _engine_cpus_from_env() -> tuple[int, ...]:
 
 def select_cpu_threads(setting: int) -> int:
     """torch's intra-op threads on CPU: the setting, else ``$OMP_NUM_THREADS``, else one per
-    core of ``$MINDIE_ENGINE_CPUS``, else cores - 1.
+    core of ``$MINDIE_ENGINE_CPUS``, else cores - 1 (cores: :func:`usable_cores`).
 
     The engine shares the machine with tritonserver, the adapter and often the clients.
     When one of them takes a core in the middle of an op, a thread team spanning every
@@ -83,7 +110,7 @@ def select_cpu_threads(setting: int) -> int:
     given = _engine_cpus_from_env()
     if given:
         return len(given)
-    return max(1, len(available_cpus()) - 1)
+    return max(1, usable_cores() - 1)
 
 
 def split_cores(threads: int, cpus: list[int]) -> CoreSplit | None:
