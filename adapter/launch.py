@@ -62,7 +62,7 @@ def child_pids(parent: int) -> list[int]:
     return kids
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask the kernel to SIGTERM this child if the launcher dies (even by SIGKILL)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -71,7 +71,7 @@ def _die_with_parent() -> None:
 def _child_setup(cpus: tuple[int, ...] | None):
     """``preexec_fn`` for tritonserver and the adapter: die with us, and run on ``cpus`` if given."""
     def setup() -> None:
-        _die_with_parent()
+        die_with_parent()
         if cpus:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, cpus)

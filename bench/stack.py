@@ -108,9 +108,12 @@ class Stack:
                  self.base_url, ports[1:], self.log_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = self.log_path.open("w")
+        from adapter.launch import die_with_parent  # a killed bench must not leave its stack running
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "adapter.launch", "--config", str(self.config_path)],
-            cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent)
         wait_ready(self.proc, f"{self.base_url}/v2/health/ready", timeout, "the stack", self.log_path, poll=1.0)
         log.info("stack ready")
 
