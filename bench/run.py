@@ -2,15 +2,16 @@
 
     python -m bench.run [--quick] [--out bench/results] [--config conf/config.json] [--llama-server PATH]
 
-1. measures the machine (fp32/bf16 matmul GFLOP/s at 2048³, memory read GB/s);
-2. starts a private stack (``adapter.launch`` on free ports), drives streaming
-   ``/v1/completions`` clients at each concurrency, and stops it;
-3. drives the engine in-process with the same workload (stack overhead);
-4. runs the peers (naive ``generate``, static batch, transformers continuous
+1. measures the machine (fp32/bf16 matmul GFLOP/s at 2048³, memory read GB/s), and
+   again at the end; the higher reading of each is the limit;
+2. starts a private stack (``adapter.launch`` on free ports) and the engine in-process,
+   and drives streaming clients at each concurrency through both, taking turns
+   (``bench.load.drive``: the stack's overhead);
+3. runs the peers (naive ``generate``, static batch, transformers continuous
    batching fp32/bf16, llama-cpp-python when importable, and llama.cpp's
    ``llama-server`` with one slot per stream when a binary is found, driven like
    the stack);
-5. prints the tables and writes ``results.csv``, ``checks.csv``, ``summary.json``
+4. prints the tables and writes ``results.csv``, ``checks.csv``, ``summary.json``
    and ``results.png`` into ``--out``.
 
 ``--quick`` is a smoke test: concurrency 1 and 4, 8 tokens, naive peer only.
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("peer llama-server failed")
             results.append(RunResult(system=LLAMA_SERVER, concurrency=0, note=f"failed: {exc}"))
 
+    machine_start, machine_end = machine, measure(quick=workload.quick)  # again, after the systems ran
+    machine = machine_start.best_of(machine_end)
     checks = compare(results, machine, fp32_bytes)
     write_csv(out / "results.csv", results)
     write_checks_csv(out / "checks.csv", checks)
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"date": started.isoformat(timespec="seconds"), "duration_s": round(time.monotonic() - t0, 1),
                "loadavg_1m_start": load_start[0], "loadavg_1m_end": load_end[0],
                "stack_dtype": stack_dtype, "stack_dtype_auto": dtype_auto, "stack_torch_threads": stack_threads,
-               "machine": machine.as_dict(), "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
+               "machine": machine.as_dict(), "machine_probes": [machine_start.as_dict(), machine_end.as_dict()],
+               "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
                "results": [r.summary() for r in results],
                "checks": [{"name": c.name, "value": c.value, "target": c.target, "status": c.status,
                            "detail": c.note} for c in checks]}

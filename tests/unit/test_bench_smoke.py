@@ -114,6 +114,14 @@ def test_llama_server_is_found_and_started_with_one_slot_per_stream(tmp_path, mo
     assert args[args.index("--port") + 1] == "1234" and args[args.index("-t") + 1] == "2"
 
 
+def test_the_limits_are_the_higher_of_two_probes() -> None:
+    slow = MachineInfo(cpu_model="Fake CPU", cores=2, torch_threads=2, fp32_gflops=120.0, bf16_gflops=213.0,
+                       mem_read_gbs=30.0)
+    best = MACHINE.best_of(slow)
+    assert (best.fp32_gflops, best.bf16_gflops, best.mem_read_gbs) == (120.0, 400.0, 30.0)
+    assert best == slow.best_of(MACHINE)
+
+
 def test_tables_csv_and_plot(tmp_path) -> None:
     results = fake_results()
     checks = compare(results, MACHINE, FP32_BYTES)
