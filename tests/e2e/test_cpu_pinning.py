@@ -1,12 +1,18 @@
-"""On CPU the engine thread has its cores to itself; tritonserver, the adapter and the stub's
-other threads run on the rest (``ModelConfig.cpuAffinity`` auto, llm_engine/cpu_cores.py)."""
+"""With ``ModelConfig.cpuAffinity`` auto (opt-in) the engine thread has its cores to itself;
+tritonserver, the adapter and the stub's other threads run on the rest (llm_engine/cpu_cores.py).
+With the default (off), nothing is pinned."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
+import httpx
 import pytest
 from llm_engine.cpu_cores import parse_cpus
+
+from tests.conftest import Stack, write_settings
 
 pytestmark = pytest.mark.e2e
 
@@ -24,12 +30,35 @@ def thread_cpus(pid: int) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def test_the_engine_thread_runs_alone_on_its_cores(stack, client):
-    cores = stack.sup.cores
-    if cores is None:
+def test_by_default_nothing_is_pinned(stack):
+    assert stack.settings.model.cpuAffinity == "off" and stack.sup.cores is None
+    everything = os.sched_getaffinity(0)
+    for pid in (stack.sup.triton.pid, stack.sup.adapter.pid, *stack.sup.stubs):
+        assert set(thread_cpus(pid).values()) == {tuple(sorted(everything))}, pid
+
+
+def test_the_engine_thread_runs_alone_on_its_cores(tmp_path, monkeypatch):
+    if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing to split")
-    assert client.post("/v1/completions", json={"model": stack.settings.model.modelName, "prompt": "Hi",
-                                                 "max_tokens": 2}).status_code == 200
+    monkeypatch.setenv("MINDIE_TEST_PORT_BASE", str(int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000")) + 800))
+    path = write_settings(tmp_path)
+    data = json.loads(path.read_text())
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["cpuAffinity"] = "auto"
+    path.write_text(json.dumps(data))
+    stack = Stack(path)
+    try:
+        stack.start()
+        _check_pinned(stack)
+    finally:
+        stack.stop()
+
+
+def _check_pinned(stack) -> None:
+    cores = stack.sup.cores
+    assert cores is not None
+    r = httpx.post(stack.url + "/v1/completions", json={"model": stack.settings.model.modelName, "prompt": "Hi",
+                                                        "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
     for name, proc in (("tritonserver", stack.sup.triton), ("adapter", stack.sup.adapter)):
         assert set(thread_cpus(proc.pid).values()) == {cores.rest}, name
     on_engine_cores = {}  # stub pid -> how many of its threads run on the engine's cores
