@@ -10,6 +10,7 @@ from llm_engine.cpu_cores import (
     ENGINE_CPUS_ENV,
     CoreSplit,
     cpu_quota,
+    instance_count,
     parse_cpus,
     pin_current_thread,
     plan_split,
@@ -150,3 +151,9 @@ def test_a_cpu_that_does_not_exist_is_a_warning_not_a_failure(caplog):
     assert pin_current_thread((100_000,), "a test thread") is False
     assert "could not pin a test thread" in caplog.text
     assert os.sched_getaffinity(0) == before
+
+
+def test_instances_are_counted_over_every_group():
+    assert instance_count({}) == 1
+    assert instance_count({"instance_group": []}) == 1
+    assert instance_count({"instance_group": [{"count": 2, "kind": "KIND_CPU"}, {"kind": "KIND_CPU"}]}) == 3

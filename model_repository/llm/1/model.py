@@ -21,7 +21,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from llm_engine import contract
 from llm_engine.config import load_settings
-from llm_engine.cpu_cores import pin_current_thread
+from llm_engine.cpu_cores import instance_count, pin_current_thread
 from llm_engine.errors import EngineError, InvalidParameter
 from llm_engine.params import parse_sampling_parameters
 from llm_engine.sequence import Request, StepOutput
@@ -61,7 +61,7 @@ class TritonPythonModel:
                                      args.get("model_instance_name", ""))
         device_id = self._device_id(args, settings)
         self.engine = build_engine(settings, device_id=device_id, metrics=self.metrics,
-                                   instances=_instance_count(self.model_config))
+                                   instances=instance_count(self.model_config))
         if self.engine.cores:  # this thread and the ones it starts below stay off the engine's cores
             pin_current_thread(self.engine.cores.rest, "the Python stub's other threads")
         self.max_n = settings.schedule.maxN
@@ -229,12 +229,6 @@ def _exit_with_tritonserver(parent: int) -> None:
         time.sleep(1.0)
     log.error("tritonserver (pid %d) is gone; exiting", parent)
     os._exit(1)
-
-
-def _instance_count(model_config: dict) -> int:
-    """How many instances of this model Triton runs (each one builds an engine)."""
-    groups = model_config.get("instance_group") or [{}]
-    return sum(int(g.get("count", 1)) for g in groups)
 
 
 def _scalar(request, name: str):

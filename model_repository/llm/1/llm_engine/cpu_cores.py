@@ -125,6 +125,13 @@ def split_cores(threads: int, cpus: list[int]) -> CoreSplit | None:
     return CoreSplit(tuple(cpus[-threads:]), tuple(cpus[:-threads]))
 
 
+def instance_count(model_config: dict) -> int:
+    """How many instances of a model Triton runs (each builds an engine), from its config
+    as JSON: the ``instance_group`` counts, 1 when the config names none."""
+    groups = model_config.get("instance_group") or [{}]
+    return sum(int(g.get("count", 1)) for g in groups)
+
+
 def plan_split(mode: str, threads_setting: int, instances: int = 1) -> CoreSplit | None:
     """The split for ``ModelConfig.cpuAffinity`` = ``mode``; ``None`` means pin nothing.
 
