@@ -109,21 +109,22 @@ class TritonPythonModel:
         stream_flag = _scalar(request, "stream")
         stream = True if stream_flag is None else bool(stream_flag)
         req_id = request.request_id() or f"triton-{id(request):x}"
+        wanted = frozenset(request.requested_output_names())
         cancelled = threading.Event()
         req = Request(
             request_id=req_id, prompt_ids=prompt_ids, params=params, stream=stream,
-            emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0)),
+            emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0, wanted)),
             is_cancelled=cancelled.is_set,
         )
         self.engine.prepare(req)
         # From here on only the sender thread touches this sender: it polls it for a
         # cancel until it has sent the FINAL, and never after (querying a finished
         # sender crashed tritonserver).
-        self._outbox.put((sender, _Watch(self._cancel_check(req_id, sender), cancelled), 0.0))
+        self._outbox.put((sender, _Watch(self._cancel_check(req_id, sender), cancelled), 0.0, wanted))
         try:
             self.engine.submit(req)
         except EngineError as exc:
-            self._outbox.put((sender, exc, 0.0))
+            self._outbox.put((sender, exc, 0.0, wanted))
             return
         self.metrics.on_request(len(prompt_ids))
 
@@ -168,7 +169,7 @@ class TritonPythonModel:
                 next_poll = time.monotonic() + CANCEL_POLL_SECONDS
 
     def _handle(self, item: tuple, watched: dict[int, _Watch]) -> None:
-        sender, out, t0 = item
+        sender, out, t0, wanted = item
         try:
             if isinstance(out, _Watch):
                 watched[id(sender)] = out
@@ -181,9 +182,12 @@ class TritonPythonModel:
             if out.final:
                 watched.pop(id(sender), None)
             self.metrics.on_output(out, t0, id(sender))
-            sender.send(_response(out), flags=FINAL if out.final else 0)
-        except Exception:
+            sender.send(_response(out, wanted), flags=FINAL if out.final else 0)
+        except Exception as exc:
+            # The request must still end: an error FINAL (refused if it was already closed)
             log.exception("failed to send a response")
+            watched.pop(id(sender), None)
+            self._send_error(sender, EngineError(f"internal error: {exc}"))
 
     @staticmethod
     def _send_error(sender, exc: Exception) -> None:
@@ -239,8 +243,14 @@ def _scalar(request, name: str):
     return arr[0] if arr.size else None
 
 
-def _response(out: StepOutput):
+def _response(out: StepOutput, wanted: frozenset[str]):
+    """Only the outputs the caller asked for. ``send()`` drops the others itself, but it
+    does so with the GIL released, and dropping a tensor frees its numpy array: under
+    load that corrupted the stub's heap (a segfault in libpython's allocator, seen with
+    llm_unary's BLS calls, which do not ask for ``queue_wait_us``)."""
     def t(name, value, dtype):
+        if wanted and name not in wanted:
+            return None
         return pb_utils.Tensor(name, np.asarray(value, dtype=dtype).reshape(1, -1))
 
     tensors = [
@@ -257,4 +267,4 @@ def _response(out: StepOutput):
         t("queue_wait_us", out.queue_wait_us, np.int64),
         t("logprobs", [json.dumps(out.logprobs).encode() if out.logprobs is not None else b""], np.object_),
     ]
-    return pb_utils.InferenceResponse(output_tensors=tensors)
+    return pb_utils.InferenceResponse(output_tensors=[tensor for tensor in tensors if tensor is not None])
