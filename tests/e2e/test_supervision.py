@@ -31,18 +31,20 @@ def launched(tmp_path, monkeypatch):
     data = json.loads(cfg.read_text())
     url = f"http://127.0.0.1:{data['ServerConfig']['port']}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "model_repository/llm/1")]))
-    proc = subprocess.Popen([sys.executable, "-m", "adapter.launch", "--config", str(cfg)], env=env, cwd=ROOT,
-                            start_new_session=True)
+    log = tmp_path / "launch.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "adapter.launch", "--config", str(cfg)], env=env, cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "launcher exited"
+        assert proc.poll() is None, f"launcher exited: {log.read_text(errors='replace')[-3000:]}"
         try:
             if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    yield proc, url
+    yield proc, url, log
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -65,7 +67,7 @@ def ready(url: str) -> int:
 
 
 def test_stub_crash_ends_streams_with_an_error_and_recovers(launched):
-    proc, url = launched
+    proc, url, _log = launched
     (triton,) = [p for p in child_pids(proc.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read()]
     # the stub of `llm` (`llm_unary` has its own)
     (stub,) = [p for p in child_pids(triton) if "/llm/1/model.py" in open(f"/proc/{p}/cmdline").read()]
@@ -105,7 +107,7 @@ def test_stub_crash_ends_streams_with_an_error_and_recovers(launched):
 
 
 def test_sigterm_drains_in_flight_then_exits(launched):
-    proc, url = launched
+    proc, url, log = launched
     result = {}
 
     def long_request():
@@ -132,12 +134,15 @@ def test_sigterm_drains_in_flight_then_exits(launched):
     t.join(60)
     assert result == {"status": 200, "tokens": 40}
     assert proc.wait(60) == 0
+    # the stubs enable faulthandler: a segfault while unloading (there was one at every
+    # shutdown that followed traffic) would print this to the log
+    assert "Fatal Python error" not in log.read_text(errors="replace")
 
 
 def test_a_killed_launcher_takes_triton_and_its_stubs_along(launched):
     """SIGKILL leaves no cleanup to the launcher: tritonserver dies with it (PR_SET_PDEATHSIG)
     and the model's stub, which Triton never tells, exits when its parent is gone."""
-    proc, _url = launched
+    proc, _url, _log = launched
     (triton,) = [p for p in child_pids(proc.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read()]
     (stub,) = [p for p in child_pids(triton) if "/llm/1/model.py" in open(f"/proc/{p}/cmdline").read()]
     os.kill(proc.pid, signal.SIGKILL)

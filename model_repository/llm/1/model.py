@@ -9,6 +9,8 @@ or cancellation alike.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
 import logging
 import os
@@ -46,6 +48,7 @@ def _configure_logging() -> None:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         _configure_logging()
+        faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack to Triton's log
         import torch  # noqa: F401  (fail loudly here if the execution env is wrong)
 
         log.info("python %s, torch %s, model dir %s", sys.version.split()[0], torch.__version__,
@@ -199,10 +202,16 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         log.info("finalizing: stopping the engine")
-        self.engine.stop()
-        self.metrics.stop()
+        self.engine.stop()  # fails what is still queued or running: their FINALs go out below
         self._outbox.put(None)
         self._sender.join(timeout=10)
+        self.metrics.close()
+        # Free the engine's state now, while the stub is still there for the destructors of
+        # the Triton objects it holds (response senders). Left to the interpreter's exit
+        # (the engine's objects form reference cycles), they ran after the stub was gone
+        # and segfaulted it at every shutdown that followed traffic.
+        self.__dict__.clear()
+        gc.collect()
 
 
 class _Watch:

@@ -17,18 +17,19 @@ FLUSH_SECONDS = 0.25
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
-_FAMILIES: list = []  # a MetricFamily must outlive its metrics, so keep every one alive
-
-
-def _family(name: str, doc: str, kind):
-    family = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
-    _FAMILIES.append(family)
-    return family
-
-
 class EngineMetrics:
+    METRICS = ("running", "waiting", "kv_usage", "batch", "steps", "preempt", "requests", "prompt_tokens",
+               "gen_tokens", "cancelled", "finished", "ttft", "tpot", "queue")
+
     def __init__(self, triton_model: str, served_name: str, instance: str = ""):
         labels = {"model": triton_model, "model_name": served_name, "instance": instance}
+        self._families: list = []  # a MetricFamily must outlive its metrics: see close()
+
+        def _family(name: str, doc: str, kind):
+            family = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
+            self._families.append(family)
+            return family
+
         G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         hist = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
         self.running = _family("llm_num_requests_running", "requests in the running batch", G).Metric(labels)
@@ -59,6 +60,7 @@ class EngineMetrics:
         self._counters = {"steps": self.steps, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
                           "gen_tokens": self.gen_tokens, "cancelled": self.cancelled, "finished": self.finished}
         self._engine = None
+        self._flusher: threading.Thread | None = None
         self._stopped = threading.Event()
 
     # Every Metric call is a round trip to the Triton process, so counts are kept here and
@@ -71,6 +73,21 @@ class EngineMetrics:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def close(self) -> None:
+        """Stop the flusher and delete every metric, then every family, from ``finalize()``.
+
+        Their destructors message the Triton process through the stub. Left for the
+        interpreter's exit, they ran after the stub was gone and segfaulted it at every
+        shutdown (a null pointer in ``MetricFamily::~MetricFamily``)."""
+        self.stop()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5)
+        self._engine = None
+        self._counters = {}
+        for name in self.METRICS:
+            setattr(self, name, None)
+        self._families.clear()
 
     def _add(self, name: str, value: float) -> None:
         with self._lock:
