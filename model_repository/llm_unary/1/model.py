@@ -21,6 +21,7 @@ request would reach just one of several instances). Triton's request ``timeout``
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import queue
@@ -68,6 +69,7 @@ class _Sequence:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        faulthandler.enable(all_threads=True)  # a crash prints every thread's Python stack to Triton's log
         config = json.loads(args["model_config"])
         if pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("model 'llm_unary' must not be decoupled")
@@ -99,10 +101,15 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
+        """Stop the threads and wait for them: each holds Triton objects (a response sender,
+        a BLS call) whose destructors need the stub. A worker still exiting when the stub
+        tore down segfaulted it (at every shutdown after the 600-call stress test)."""
         self._stopped.set()
-        shutil.rmtree(self._cancel_flags, ignore_errors=True)
         for _ in self._workers:
             self._jobs.put(None)
+        for thread in [*self._workers, self._watcher]:
+            thread.join(timeout=5)
+        shutil.rmtree(self._cancel_flags, ignore_errors=True)
 
     # -- requests in -------------------------------------------------------------------
     def _job(self, request) -> _Job:
@@ -127,12 +134,15 @@ class TritonPythonModel:
     # -- the worker: BLS to llm, one response back ---------------------------------------
     def _work(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, sender = item
-            try:
-                response = self._generate(job, sender)
-            except Exception as exc:
-                response = _error(f"[500] llm_unary: {exc}")
-            _send(sender, response)
+            self._serve(*item)
+            del item  # the request's sender goes now, not when the next job comes
+
+    def _serve(self, job: _Job, sender) -> None:
+        try:
+            response = self._generate(job, sender)
+        except Exception as exc:
+            response = _error(f"[500] llm_unary: {exc}")
+        _send(sender, response)
 
     def _generate(self, job: _Job, sender) -> Any:
         if not self._wait_for_llm(sender):
