@@ -1,6 +1,6 @@
-"""With ``ModelConfig.cpuAffinity`` auto (opt-in) the engine thread has its cores to itself;
+"""With ``ModelConfig.cpuAffinity`` auto (the default) the engine thread has its cores to itself;
 tritonserver, the adapter and the stub's other threads run on the rest (llm_engine/cpu_cores.py).
-With the default (off), nothing is pinned."""
+With off, nothing is pinned."""
 
 from __future__ import annotations
 
@@ -30,25 +30,26 @@ def thread_cpus(pid: int) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def test_by_default_nothing_is_pinned(stack):
-    assert stack.settings.model.cpuAffinity == "off" and stack.sup.cores is None
-    everything = os.sched_getaffinity(0)
-    for pid in (stack.sup.triton.pid, stack.sup.adapter.pid, *stack.sup.stubs):
-        assert set(thread_cpus(pid).values()) == {tuple(sorted(everything))}, pid
-
-
-def test_the_engine_thread_runs_alone_on_its_cores(tmp_path, monkeypatch):
+def test_by_default_the_engine_thread_runs_alone_on_its_cores(stack):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing to split")
+    assert stack.settings.model.cpuAffinity == "auto"
+    _check_pinned(stack)
+
+
+def test_with_affinity_off_nothing_is_pinned(tmp_path, monkeypatch):
     monkeypatch.setenv("MINDIE_TEST_PORT_BASE", str(int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000")) + 800))
     path = write_settings(tmp_path)
     data = json.loads(path.read_text())
-    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["cpuAffinity"] = "auto"
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["cpuAffinity"] = "off"
     path.write_text(json.dumps(data))
     stack = Stack(path)
     try:
         stack.start()
-        _check_pinned(stack)
+        assert stack.sup.cores is None
+        everything = os.sched_getaffinity(0)
+        for pid in (stack.sup.triton.pid, stack.sup.adapter.pid, *stack.sup.stubs):
+            assert set(thread_cpus(pid).values()) == {tuple(sorted(everything))}, pid
     finally:
         stack.stop()
 

@@ -71,10 +71,10 @@ class ModelSection(_Section):
         0, ge=0, description="torch threads on CPU; 0 = $OMP_NUM_THREADS if set, else cores - 1 "
                      "(cores capped by the cgroup's CPU limit)")
     cpuAffinity: Literal["auto", "off"] = Field(
-        "off", description="auto: on CPU with one model instance, pin the engine's threads to the last "
-                           "cpuThreads cores and tritonserver, the adapter and the stub's other threads to "
-                           "the others (see llm_engine/cpu_cores.py); off (default): let the OS place every "
-                           "thread. Opt-in: with auto, the stub crashed under a stress test (bench/README.md)")
+        "auto", description="auto (default): on CPU with one model instance, pin the engine's threads "
+                            "to the last cpuThreads cores and tritonserver, the adapter and the stub's "
+                            "other threads to the others (see llm_engine/cpu_cores.py); off: let the OS "
+                            "place every thread")
 
     @field_validator("modelName")
     @classmethod

@@ -2,14 +2,11 @@
 
 On CPU the engine runs ``cpuThreads`` torch threads (cores - 1 by default) and shares
 the machine with tritonserver, the adapter, the Python stub's other threads and often
-the clients. With ``ModelConfig.cpuAffinity`` ``auto`` (opt-in; the default is ``off``),
-the engine thread (and the intra-op threads it starts) is pinned to the last
-``cpuThreads`` cores of the process's CPU set, and everything else to the cores before
-them. The engine then never waits in the run queue behind the rest of the stack.
-Measured on 2 cores at 32 streams, ten alternating pairs: 301 tok/s pinned against 272
-unpinned (means). It is not the default because, pinned, the Python stub crashed in
-libpython's allocator on the engine thread in 2 of 5 runs of a stress test of 600 short
-concurrent calls (tests/e2e/test_unary.py), and unpinned not once in 9 (bench/README.md).
+the clients. With ``ModelConfig.cpuAffinity`` ``auto`` (the default), the engine
+thread (and the intra-op threads it starts) is pinned to the last ``cpuThreads`` cores
+of the process's CPU set, and everything else to the cores before them. The engine then
+never waits in the run queue behind the rest of the stack. Measured on 2 cores at 32
+streams, ten alternating pairs: 301 tok/s pinned against 272 unpinned (means).
 
 The launcher applies the same split to tritonserver and the adapter and passes the
 engine's cores to the stub in ``$MINDIE_ENGINE_CPUS``. This module imports no torch, so
