@@ -30,6 +30,10 @@ def select_device(kind: str = "auto", device_id: int = 0) -> torch.device:
         raise RuntimeError("device 'npu' requested but torch_npu is not usable")
     if kind in ("auto", "cuda") and torch.cuda.is_available():
         torch.cuda.set_device(device_id)
+        # cuDNN's SDPA builds a plan for each new shape, and a decode step's shapes change
+        # with every token: on an H200 (torch 2.11) a step took 59 ms at batch 1 with it and
+        # 18 ms without (batch 32: 64 ms and 33 ms). Flash / memory-efficient SDPA remain.
+        torch.backends.cuda.enable_cudnn_sdp(False)
         return torch.device("cuda", device_id)
     if kind == "cuda":
         raise RuntimeError("device 'cuda' requested but CUDA is not available")
