@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 WARM_PROMPT = "Hello, warm-up."
 
 
-def load_hf(dtype_name: str, attn: str | None = None):
+def load_hf(dtype_name: str, attn: str | None = None, device: str = "cpu"):
     """The stack's default checkpoint (the GGUF converted to an HF folder) in ``dtype_name``."""
     import torch
     from llm_engine.weights import resolve_model_dir
@@ -35,7 +35,7 @@ def load_hf(dtype_name: str, attn: str | None = None):
     kwargs = {"dtype": getattr(torch, dtype_name)}
     if attn:
         kwargs["attn_implementation"] = attn
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -75,7 +75,7 @@ def _generate(model, tok, prompts: list[str], max_tokens: int, clock: StepClock 
     import torch
 
     tok.padding_side = "left"
-    enc = tok(prompts, return_tensors="pt", padding=True)
+    enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id, streamer=clock)
@@ -93,7 +93,7 @@ def run_naive(workload: Workload, model, tok) -> RunResult:
         trace.tokens = _generate(model, tok, [prompt], workload.max_tokens, clock)
         trace.token_times = clock.times
         traces.append(trace)
-    return from_traces("naive generate", 1, "float32", traces, time.perf_counter() - t0)
+    return from_traces("naive generate", 1, _dtype(model), traces, time.perf_counter() - t0)
 
 
 def run_static(workload: Workload, model, tok) -> RunResult:
@@ -105,13 +105,17 @@ def run_static(workload: Workload, model, tok) -> RunResult:
     new = _generate(model, tok, prompts, workload.max_tokens, clock)
     wall = time.perf_counter() - t0
     traces = [StreamTrace(sent=t0, token_times=list(clock.times), tokens=new) for _ in prompts]
-    return from_traces("static batch", n, "float32", traces, wall)
+    return from_traces("static batch", n, _dtype(model), traces, wall)
 
 
-def run_continuous(workload: Workload, dtype_name: str) -> RunResult:
+def _dtype(model) -> str:
+    return str(model.dtype).removeprefix("torch.")
+
+
+def run_continuous(workload: Workload, dtype_name: str, device: str = "cpu") -> RunResult:
     from transformers import GenerationConfig
 
-    model, tok = load_hf(dtype_name, attn="sdpa")
+    model, tok = load_hf(dtype_name, attn="sdpa", device=device)
     n = workload.peer_batch
     prompts = workload.prompts_for(n)[:n]
     inputs = [tok(p).input_ids for p in prompts]

@@ -263,3 +263,40 @@ def test_wait_ready_fails_fast_when_the_server_exits(tmp_path) -> None:
     proc.wait()
     with pytest.raises(RuntimeError, match="exited with 3"):
         wait_ready(proc, "http://127.0.0.1:9/health", 30, "peer", tmp_path / "peer.log")
+
+
+def test_accelerator_bench_ratios_compare_the_engine_with_each_peer():
+    from bench.accelerator import ratios
+
+    results = [fake("engine alone", 1, 50, 0.02), fake("engine alone", 32, 1300, 0.06),
+               fake("naive generate", 1, 50, 0.02), fake("transformers CB", 32, 650, 0.06),
+               RunResult(system="static batch", concurrency=0, note="failed: boom")]
+    assert ratios(results, 32) == [("engine alone @32 / naive generate @1", 26.0),
+                                   ("engine alone @32 / transformers CB @32", 2.0)]
+    assert ratios(results, 8) == []  # no engine row at that concurrency
+
+
+def test_accelerator_bench_refuses_to_run_without_an_accelerator():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from bench.accelerator import main
+
+    assert main(["--out", os.devnull]) == 2
+
+
+@pytest.mark.slow
+def test_accelerator_bench_runs_end_to_end_on_cpu(tmp_path):
+    """``--quick --device cpu``: the engine and the three transformers peers on the real model."""
+    out = tmp_path / "acc"
+    proc = subprocess.run([sys.executable, "-m", "bench.accelerator", "--quick", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    systems = {r["system"] for r in summary["results"]}
+    assert systems == {"engine alone", "naive generate", "static batch", "transformers CB"}
+    assert all(r["tok_per_s"] and not r["errors"] for r in summary["results"])
+    assert set(summary["ratios"]) == {f"engine alone @4 / {s}" for s in
+                                      ("naive generate @1", "static batch @4", "transformers CB @4")}
+    assert (out / "results.png").stat().st_size > 10_000 and (out / "results.csv").exists()
