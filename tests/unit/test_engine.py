@@ -383,3 +383,25 @@ def test_bf16_short_prompt_split_by_the_token_budget_gives_the_same_bits(bf16_en
             assert flat(split) == pytest.approx(flat(whole), abs=1e-2)
     finally:
         small.stop()
+
+
+def test_the_engine_thread_makes_its_device_current(monkeypatch):
+    """On CUDA/NPU the loop's thread must not run on device 0 when its instance has another."""
+    import llm_engine.engine as engine_module
+    from llm_engine.device import use_in_this_thread
+
+    seen = []
+    monkeypatch.setattr(engine_module, "use_in_this_thread",
+                        lambda device: seen.append((device, threading.current_thread().name)))
+    eng = build(kvCacheMemoryMiB=16)
+    try:
+        assert Run(eng, "Hi", max_tokens=1, temperature=0).wait().error is None
+    finally:
+        eng.stop()
+    assert seen == [(eng.runner.device, "llm-engine")]
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    use_in_this_thread(torch.device("cuda", 3))
+    use_in_this_thread(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 3)]

@@ -40,6 +40,16 @@ def select_device(kind: str = "auto", device_id: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def use_in_this_thread(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current one. A new thread starts on device 0,
+    so the engine's own thread would otherwise open a context (and its memory) on the
+    first GPU or NPU whatever device its instance was given."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -21,6 +21,7 @@ from .batch import build_step_input
 from .beam_steps import BeamSteps
 from .cpu_cores import CoreSplit, pin_current_thread
 from .detokenizer import IncrementalDetokenizer
+from .device import use_in_this_thread
 from .errors import EngineError, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
 from .runner import ModelRunner, StepInput
@@ -102,6 +103,7 @@ class Engine:
     # -- the loop -----------------------------------------------------------------
     def _loop(self) -> None:
         log.info("engine loop started")
+        use_in_this_thread(self.runner.device)
         if self.cores:
             pin_current_thread(self.cores.engine, "the engine thread")
         while True:
