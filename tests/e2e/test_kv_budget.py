@@ -72,3 +72,20 @@ def test_clients_that_hang_up_while_queued_are_dropped(small_kv):
     assert wait_for(lambda: stack.engine_metric("llm_num_requests_waiting") == 0
                     and stack.engine_metric("llm_num_requests_running") == 0
                     and stack.engine_metric("llm_kv_cache_usage_perc") == 0, timeout=10)
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_refused_and_the_rest_still_run(small_kv):
+    """8 blocks of 16 tokens hold 128: a longer prompt could never be scheduled, so it is
+    refused at once (424, as for maxInputTokenLen) instead of waiting at the queue's head."""
+    stack = small_kv
+    r = httpx.post(stack.url + "/v1/completions", json={
+        "model": MODEL_NAME, "prompt": "the sea " * 100, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 424, r.text
+    assert "Failed to enqueue inferRequest" in r.json()["error"] and "cannot be greater than 127" in r.json()["error"]
+    r = httpx.post(stack.url + "/v1/completions", json={
+        "model": MODEL_NAME, "prompt": "the sea " * 40, "max_tokens": 500, "temperature": 0, "ignore_eos": True},
+        timeout=120)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 128

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from llm_engine.admission import EngineLimits, fill_defaults
-from llm_engine.errors import InvalidParameter
+from llm_engine.admission import EngineLimits, admit, fill_defaults
+from llm_engine.errors import EnqueueRejected, InvalidParameter
 from llm_engine.params import parse_sampling_parameters
+from llm_engine.sequence import Request
 from llm_engine.weights import model_limits
 
 
@@ -76,3 +77,34 @@ def test_a_greedy_default_with_several_sequences_is_rejected():
     with pytest.raises(InvalidParameter, match="temperature"):
         fill_defaults(p, limits(default_temperature=0.0))
     fill_defaults(parse_sampling_parameters('{"n": 2}'), limits())  # 1.0: fine
+
+
+def _request(n_prompt: int, **params) -> Request:
+    return Request("r", list(range(1, n_prompt + 1)), parse_sampling_parameters(params), lambda out: None)
+
+
+def test_a_small_kv_cache_caps_new_tokens_so_a_request_always_fits_alone():
+    lim = limits(kv_blocks=8, kv_block_size=16)  # 128 tokens in all
+    req = _request(50, max_tokens=500)
+    admit(req, lim)
+    assert req.max_new_tokens == 128 - 50
+    # two sequences share the prompt's 3 full blocks and each needs its own partial one
+    req = _request(50, max_tokens=500, n=2, temperature=1.0)
+    admit(req, lim)
+    assert req.max_new_tokens == (8 - 3) // 2 * 16 - 2
+    assert 3 + 2 * -(-(2 + req.max_new_tokens) // 16) <= 8
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_rejected_at_once():
+    lim = limits(kv_blocks=8, kv_block_size=16)
+    admit(_request(127), lim)  # one new token still fits
+    with pytest.raises(EnqueueRejected, match="cannot be greater than 127,the input ids length is 128"):
+        admit(_request(128), lim)
+    with pytest.raises(EnqueueRejected, match="cannot be greater than 111,"):
+        admit(_request(120, n=2, temperature=1.0), lim)
+
+
+def test_a_kv_cache_larger_than_max_seq_len_changes_nothing():
+    req = _request(50, max_tokens=5000)
+    admit(req, limits(kv_blocks=10_000, kv_block_size=16))
+    assert req.max_new_tokens == 512

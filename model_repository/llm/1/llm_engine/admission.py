@@ -25,6 +25,28 @@ class EngineLimits:
     default_top_k: int
     vocab_size: int
     default_temperature: float = 1.0
+    kv_blocks: int = 0  # the KV cache's size in blocks of kv_block_size tokens; 0 = unbounded
+    kv_block_size: int = 16
+
+    def kv_room(self, prompt_len: int, sequences: int) -> int | None:
+        """The most new tokens each of ``sequences`` sequences can hold in the whole KV cache
+        after a prompt of ``prompt_len`` tokens (``None`` when unbounded).
+
+        The sequences share the prompt's full blocks and each holds its own copy of the
+        partial last one, so a request that fits alone always runs once the others leave:
+        it never waits for blocks that do not exist, nor preempts itself for good.
+        """
+        if not self.kv_blocks:
+            return None
+        bs = self.kv_block_size
+        per_sequence = (self.kv_blocks - prompt_len // bs) // max(1, sequences)
+        return per_sequence * bs - prompt_len % bs
+
+    def kv_prompt_cap(self, sequences: int) -> int | None:
+        """The longest prompt that leaves each sequence room for one new token."""
+        if not self.kv_blocks:
+            return None
+        return max(0, (self.kv_blocks - max(1, sequences) + 1) * self.kv_block_size - 1)
 
 
 def fill_defaults(p: SamplingParams, lim: EngineLimits) -> None:
@@ -47,7 +69,11 @@ def admit(req: Request, lim: EngineLimits) -> None:
     n = len(req.prompt_ids)
     if n == 0:
         raise EnqueueRejected("Failed to enqueue inferRequest. The prompt is empty")
+    p = req.params
     cap = min(lim.max_input_len, lim.max_seq_len - 1)
+    kv_cap = lim.kv_prompt_cap(p.num_sequences)
+    if kv_cap is not None and kv_cap < cap:
+        cap = kv_cap  # the KV cache is smaller than maxSeqLen: its size limits the prompt too
     if lim.truncation and n > cap:
         req.prompt_ids = req.prompt_ids[:cap] if lim.truncation < 0 else req.prompt_ids[-cap:]
         n = cap
@@ -61,10 +87,12 @@ def admit(req: Request, lim: EngineLimits) -> None:
             f"than {cap},the input ids length is {n}")
     if any(t < 0 or t >= lim.vocab_size for t in req.prompt_ids):
         raise EnqueueRejected("Failed to enqueue inferRequest. Invalid Input Ids")
-    p = req.params
     room = lim.max_seq_len - n
     if lim.max_position_embeddings:
         room = min(room, lim.max_position_embeddings - n)
+    kv_room = lim.kv_room(n, p.num_sequences)
+    if kv_room is not None:
+        room = min(room, kv_room)
     req.max_new_tokens = max(1, min(p.max_tokens or lim.max_iter_times, lim.max_iter_times, room))
     req.seed = p.seed if p.seed is not None else random.getrandbits(32)
     fill_defaults(p, lim)

@@ -59,6 +59,7 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances
         max_iter_times=sched.maxIterTimes, max_position_embeddings=info["max_position_embeddings"],
         truncation=deploy.truncation, default_top_k=info["default_top_k"],
         vocab_size=info["vocab_size"] or runner.vocab_size, default_temperature=info["default_temperature"],
+        kv_blocks=num_blocks, kv_block_size=block_size,
     )
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
