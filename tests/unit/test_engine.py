@@ -112,6 +112,22 @@ def test_stop_string_spanning_tokens(engine):
         assert stop not in o.text
 
 
+def test_text_held_back_for_a_stop_string_is_kept_when_a_stop_token_ends(engine):
+    """The last characters may be the start of a stop string, so they are held back; when a
+    stop token (or EOS) then ends the sequence, they are part of the output after all."""
+    prompt = "The capital of France is"
+    ids = [t for o in Run(engine, prompt, max_tokens=12, temperature=0, ignore_eos=True).wait().outputs
+           for t in o.token_ids]
+    k = next(i for i in range(4, 12) if ids[i] not in ids[:i])
+    before = Run(engine, prompt, max_tokens=k, temperature=0, ignore_eos=True).wait().text()
+    stop = before[-2:] + "\x00never"  # its start matches the text's end, the rest never comes
+    for stream in (True, False):
+        r = Run(engine, prompt, stream=stream, max_tokens=12, temperature=0, ignore_eos=True,
+                stop=[stop], stop_token_ids=[ids[k]]).wait()
+        assert r.text() == before and r.finals()[0].finish_reason == "stop"
+        assert r.finals()[0].completion_tokens == k + 1
+
+
 def test_stop_token_ids(engine):
     full = Run(engine, "Count: one, two,", max_tokens=10, temperature=0, ignore_eos=True).wait()
     tokens = [t for o in full.outputs for t in o.token_ids]

@@ -271,8 +271,8 @@ class Engine:
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         seq.pending_ids.append(token)
-        text = ""
         if seq.stopper.is_stop_token(token):
+            text = self._held_back_text(seq)
             self._finish(seq, contract.FINISH_STOP)
         else:
             new = seq.detok.step(token)
@@ -280,11 +280,17 @@ class Engine:
             if matched:
                 self._finish(seq, contract.FINISH_STOP)
             elif seq.num_generated >= req.max_new_tokens:
-                text += seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
+                text += self._held_back_text(seq)
                 self._finish(seq, contract.FINISH_LENGTH)
         seq.pending_text += text
         if req.params.logprobs is not None:
             seq.pending_logprobs.append(self._logprob_entry(seq, token, logprob, top))
+
+    @staticmethod
+    def _held_back_text(seq: Sequence) -> str:
+        """At a sequence's end: the text held back as a possible stop-string start or an
+        unfinished character, which no later token can complete now."""
+        return seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
 
     def _logprob_entry(self, seq: Sequence, token: int, logprob: float, top) -> dict:
         skip = seq.request.params.skip_special_tokens
