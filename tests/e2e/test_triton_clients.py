@@ -166,3 +166,49 @@ def test_streams_asking_for_some_outputs_keep_the_stub_up(stack):
         assert not failed, f"round {round_}: {len(failed)} streams failed, first: {failed[0]!r}"
         assert all(r[0] >= 24 and r[1] == set(wanted) for r in results), results
     assert stack.sup.triton.poll() is None
+
+
+@pytest.mark.slow
+def test_bad_requests_mixed_into_live_streams_get_their_error_and_break_nothing(stack):
+    """A request refused in execute() (bad parameters) gets its error FINAL from the same
+    thread that sends every other response: the Python backend's senders are not safe to
+    use from two threads at once. Four rounds of 32 concurrent streams, one in four bad."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    def stream(i: int) -> str:
+        bad = i % 4 == 0
+        client = grpcclient.InferenceServerClient(stack.grpc_url)
+        got: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        t = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+        t.set_data_from_numpy(np.array([[f"Count to {i}:"]], dtype=object))
+        p = grpcclient.InferInput("sampling_parameters", [1, 1], "BYTES")
+        params = {"top_p": 0} if bad else {"max_tokens": 16, "ignore_eos": True}
+        p.set_data_from_numpy(np.array([[json.dumps(params)]], dtype=object))
+        client.async_stream_infer("llm", [t, p])
+        try:
+            while True:
+                result, error = got.get(timeout=120)
+                if bad:
+                    assert result is None and "top_p" in str(error), (result, error)
+                    return "refused"
+                assert error is None, error
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return "done"
+        finally:
+            client.stop_stream()
+            client.close()
+
+    def attempt(i: int):
+        try:
+            return stream(i)
+        except Exception as exc:  # noqa: BLE001  (reported below, with the others)
+            return exc
+
+    for round_ in range(4):
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(attempt, range(round_ * 32, round_ * 32 + 32)))
+        assert results == ["refused" if i % 4 == 0 else "done" for i in range(32)], (round_, results)
+    assert stack.sup.triton.poll() is None

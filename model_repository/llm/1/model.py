@@ -99,11 +99,11 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 self._submit(request, sender)
-            except EngineError as exc:
-                self._send_error(sender, exc)
+            except EngineError as exc:  # the error FINAL goes out on the sender thread too
+                self._outbox.put((sender, exc, 0.0, frozenset()))
             except Exception as exc:  # never leave a request without its FINAL
                 log.exception("could not submit a request")
-                self._send_error(sender, EngineError(f"internal error: {exc}"))
+                self._outbox.put((sender, EngineError(f"internal error: {exc}"), 0.0, frozenset()))
         return None
 
     def _submit(self, request, sender) -> None:
