@@ -158,6 +158,7 @@ class TritonPythonModel:
     def _send_loop(self) -> None:
         """Send what the engine produced, in order, and poll running requests for cancels."""
         watched: dict[int, _Watch] = {}
+        failed: dict[int, object] = {}
         next_poll = time.monotonic() + CANCEL_POLL_SECONDS
         while True:
             try:
@@ -167,30 +168,44 @@ class TritonPythonModel:
             if item is None:
                 return
             if item:
-                self._handle(item, watched)
+                self._handle(item, watched, failed)
             if time.monotonic() >= next_poll:
                 _poll_cancels(watched)
                 next_poll = time.monotonic() + CANCEL_POLL_SECONDS
 
-    def _handle(self, item: tuple, watched: dict[int, _Watch]) -> None:
+    def _handle(self, item: tuple, watched: dict[int, _Watch], failed: dict[int, object]) -> None:
+        """Send one item. ``failed`` holds the senders whose send() raised while their request
+        still ran: the engine is dropping those, and what it still emits for them is not sent."""
         sender, out, t0, wanted = item
+        key = id(sender)
+        last = isinstance(out, Exception) or (isinstance(out, StepOutput) and out.final)
+        if key in failed:
+            if last:
+                del failed[key]
+            return
         try:
             if isinstance(out, _Watch):
-                watched[id(sender)] = out
+                watched[key] = out
                 return
             if isinstance(out, Exception):
-                watched.pop(id(sender), None)
-                self.metrics.forget(id(sender))
+                watched.pop(key, None)
+                self.metrics.forget(key)
                 self._send_error(sender, out)
                 return
             if out.final:
-                watched.pop(id(sender), None)
-            self.metrics.on_output(out, t0, id(sender))
+                watched.pop(key, None)
+            self.metrics.on_output(out, t0, key)
             sender.send(_response(out, wanted), flags=FINAL if out.final else 0)
         except Exception as exc:
-            # The request must still end: an error FINAL (refused if it was already closed)
+            # The request must still end: an error FINAL (refused if it was already closed),
+            # and the engine must stop generating for it.
             log.exception("failed to send a response")
-            watched.pop(id(sender), None)
+            watch = watched.pop(key, None)
+            if watch is not None:
+                watch.cancelled.set()
+            if not last:
+                failed[key] = sender  # held, so that its id is not reused before the last item
+            self.metrics.forget(key)
             self._send_error(sender, EngineError(f"internal error: {exc}"))
 
     @staticmethod

@@ -1,0 +1,120 @@
+"""The llm model's sender thread logic (``_handle``), with stand-ins for Triton's response
+senders: what happens when a send fails. The real senders are exercised end to end in
+tests/e2e (test_triton_clients.py, test_reliability.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import types
+
+import pytest
+from llm_engine.errors import EngineError
+from llm_engine.sequence import StepOutput
+
+from tests.conftest import ROOT
+
+FINAL = 1
+
+
+class Sender:
+    """Records what was sent; ``fail_on`` = indexes of send() calls that raise."""
+
+    def __init__(self, fail_on: tuple[int, ...] = ()):
+        self.sent: list[tuple[object, int]] = []
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def send(self, response, flags=0):
+        self.calls += 1
+        if self.calls - 1 in self.fail_on:
+            raise RuntimeError("the response could not be sent")
+        self.sent.append((response, flags))
+
+
+class Metrics:
+    def __init__(self):
+        self.outputs, self.forgotten = 0, []
+
+    def on_output(self, out, t0, key):
+        self.outputs += 1
+
+    def forget(self, key):
+        self.forgotten.append(key)
+
+
+@pytest.fixture
+def model(monkeypatch):
+    fake = types.ModuleType("triton_python_backend_utils")
+    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=(), error=None):
+            self.output_tensors, self.error = list(output_tensors), error
+
+    class TritonError:
+        def __init__(self, message):
+            self.message = message
+
+    fake.Tensor, fake.InferenceResponse, fake.TritonError = Tensor, InferenceResponse, TritonError
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    spec = importlib.util.spec_from_file_location("llm_model_under_test", ROOT / "model_repository/llm/1/model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    instance = module.TritonPythonModel.__new__(module.TritonPythonModel)
+    instance.metrics = Metrics()
+    return module, instance
+
+
+def output(final: bool, text: str = "x") -> StepOutput:
+    return StepOutput(index=0, text=text, token_ids=[1], finish_reason="length" if final else "", prompt_tokens=3,
+                      cached_tokens=0, completion_tokens=1, cumulative_logprob=-0.5, seed=7, batch_size=[1],
+                      queue_wait_us=[10], logprobs=None, final=final)
+
+
+def test_a_failed_send_cancels_the_request_and_ends_it_once(model):
+    module, m = model
+    watched, failed = {}, {}
+    sender = Sender(fail_on=(1,))
+    cancelled = threading.Event()
+    m._handle((sender, module._Watch(lambda: False, cancelled), 0.0, frozenset()), watched, failed)
+    m._handle((sender, output(False, "a"), 0.0, frozenset()), watched, failed)
+    assert [r.output_tensors[0].array.tolist() for r, _ in sender.sent] == [[[b"a"]]]
+    m._handle((sender, output(False, "b"), 0.0, frozenset()), watched, failed)  # send() raises
+    # the engine is told to drop the request, and the client gets one error FINAL
+    assert cancelled.is_set() and not watched and id(sender) in failed
+    (error, flags), = sender.sent[1:]
+    assert flags == FINAL and "internal error" in error.error.message
+    # what the engine still emits before it drops the request is not sent
+    m._handle((sender, output(False, "c"), 0.0, frozenset()), watched, failed)
+    m._handle((sender, output(True, ""), 0.0, frozenset()), watched, failed)
+    assert len(sender.sent) == 2 and not failed
+    assert m.metrics.forgotten == [id(sender)]
+
+
+def test_a_failed_last_send_leaves_nothing_behind(model):
+    module, m = model
+    watched, failed = {}, {}
+    sender = Sender(fail_on=(0,))
+    m._handle((sender, module._Watch(lambda: False, threading.Event()), 0.0, frozenset()), watched, failed)
+    m._handle((sender, output(True), 0.0, frozenset()), watched, failed)
+    assert not watched and not failed
+    (error, flags), = sender.sent
+    assert flags == FINAL and error.error is not None
+    other = Sender()  # the next request is served as usual
+    m._handle((other, output(True, "ok"), 0.0, frozenset({"text_output"})), watched, failed)
+    (response, flags), = other.sent
+    assert flags == FINAL and [t.name for t in response.output_tensors] == ["text_output"]
+
+
+def test_an_engine_error_is_sent_as_the_error_final(model):
+    _, m = model
+    sender = Sender()
+    m._handle((sender, EngineError("[424] too long"), 0.0, frozenset()), {}, {})
+    (error, flags), = sender.sent
+    assert flags == FINAL and "too long" in error.error.message
