@@ -130,3 +130,26 @@ def test_concurrent_requests_batch_together(stack):
     assert all(r.status_code == 200 for r in results)
     peak = max(max(r.json()["usage"]["batch_size"]) for r in results)
     assert peak >= 2, "concurrent requests should share engine steps"
+
+
+def test_latency_metrics_of_a_non_stream_request(stack):
+    """A non-stream request gets one response, at its end; TTFT and the time per output
+    token still come from when the engine sampled its first token."""
+    import time
+
+    from tests.conftest import wait_for
+
+    ttft, tpot = "llm_time_to_first_token_seconds", "llm_time_per_output_token_seconds"
+    names = [f"{m}_{part}" for m in (ttft, tpot) for part in ("sum", "count")]
+    before = {n: stack.engine_metric(n) for n in names}
+    t0 = time.monotonic()
+    r = httpx.post(stack.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Tell me about the sea",
+                                                        "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+                   timeout=120)
+    latency = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+    assert wait_for(lambda: stack.engine_metric(f"{tpot}_count") >= before[f"{tpot}_count"] + 1, timeout=10)
+    d = {n: stack.engine_metric(n) - before[n] for n in names}
+    assert d[f"{ttft}_count"] == 1 and d[f"{tpot}_count"] == 1, d
+    assert 0 < d[f"{ttft}_sum"] < latency / 2, (d, latency)  # the first of 24 tokens came early
+    assert 0 < d[f"{tpot}_sum"] and 23 * d[f"{tpot}_sum"] < latency, (d, latency)

@@ -112,10 +112,12 @@ class EngineMetrics:
             self._add("gen_tokens", n)
             seen = self._seq.get(key)
             if seen is None:
-                self.ttft.observe(now - t0)
+                # the engine's own stamp: a non-stream request's one response comes at its end
+                first = min(out.first_token_time or now, now)
+                self.ttft.observe(max(0.0, first - t0))
                 if out.queue_wait_us:
                     self.queue.observe(out.queue_wait_us[0] / 1e6)
-                self._seq[key] = [now, now, n]
+                self._seq[key] = [first, now, n]
             else:
                 seen[1] = now
                 seen[2] += n

@@ -268,6 +268,8 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int, logprob: float, top) -> None:
         req = seq.request
+        if not seq.first_token_time:
+            seq.first_token_time = time.monotonic()
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         seq.pending_ids.append(token)
@@ -341,7 +343,7 @@ class Engine:
             completion_tokens=seq.num_generated, cumulative_logprob=seq.cumulative_logprob,
             seed=req.seed, batch_size=batch, queue_wait_us=waits,
             logprobs=list(seq.pending_logprobs) if req.params.logprobs is not None else None,
-            final=False,
+            final=False, first_token_time=seq.first_token_time,
         )
         seq.text += seq.pending_text
         seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []

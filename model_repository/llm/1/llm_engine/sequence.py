@@ -47,6 +47,7 @@ class StepOutput:
     queue_wait_us: list[int]
     logprobs: list[dict] | None
     final: bool  # the request's last response
+    first_token_time: float = 0.0  # time.monotonic() when the sequence's first token was sampled
 
 
 @dataclass(eq=False)  # identity semantics: sequences are compared with `is`/`in`
@@ -64,6 +65,7 @@ class Sequence:
     finish_reason: str = ""
     reported: bool = False  # its finishing output has been emitted
     cumulative_logprob: float = 0.0
+    first_token_time: float = 0.0  # time.monotonic() when its first token was sampled
     text: str = ""  # text emitted so far
     pending_text: str = ""  # not yet sent (non-stream mode, or between sends)
     pending_ids: list[int] = field(default_factory=list)
