@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -441,3 +442,60 @@ def test_the_engine_thread_makes_its_device_current(monkeypatch):
     use_in_this_thread(torch.device("cuda", 3))
     use_in_this_thread(torch.device("cpu"))
     assert calls == [torch.device("cuda", 3)]
+
+
+def test_health_reports_a_hung_step_and_recovers_when_it_ends(monkeypatch):
+    eng = build(kvCacheMemoryMiB=16)
+    eng.step_timeout = 0.3
+    real = eng.runner.forward
+    calls = []
+
+    def slow_once(step):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(1.2)
+        return real(step)
+
+    monkeypatch.setattr(eng.runner, "forward", slow_once)
+    try:
+        assert eng.health() == ""
+        r = Run(eng, "Hi", max_tokens=2, temperature=0)
+        assert wait_until(lambda: "has run for more than 0.3 s" in eng.health(), 5)
+        assert r.wait().error is None and eng.health() == ""
+    finally:
+        eng.stop()
+
+
+def test_health_reports_steps_failing_in_a_row_and_a_dead_thread(monkeypatch):
+    eng = build(kvCacheMemoryMiB=16)
+    eng.max_failed_steps = 3
+    real = eng.runner.forward
+
+    def broken(step):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(eng.runner, "forward", broken)
+    try:
+        for i in range(3):
+            assert isinstance(Run(eng, f"Try {i}", max_tokens=2, temperature=0).wait().error, EngineError)
+        assert eng.health() == "3 engine steps failed in a row"
+        monkeypatch.setattr(eng.runner, "forward", real)
+        assert Run(eng, "Works again", max_tokens=2, temperature=0).wait().error is None
+        assert eng.health() == ""
+        with eng._wake:  # the thread ends without stop(): an unexpected death
+            eng._stop = True
+            eng._wake.notify()
+        eng._thread.join(5)
+        eng._stop = False
+        assert eng.health() == "the engine thread has ended"
+    finally:
+        eng.stop()
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False

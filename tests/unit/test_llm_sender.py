@@ -118,3 +118,26 @@ def test_an_engine_error_is_sent_as_the_error_final(model):
     m._handle((sender, EngineError("[424] too long"), 0.0, frozenset()), {}, {})
     (error, flags), = sender.sent
     assert flags == FINAL and "too long" in error.error.message
+
+
+def test_the_stub_exits_when_the_engine_is_dead(model, monkeypatch):
+    module, _ = model
+
+    class Engine:
+        def __init__(self):
+            self.answers = iter(["", "", "3 engine steps failed in a row"])
+
+        def health(self):
+            return next(self.answers)
+
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(module.os, "_exit", fake_exit)
+    monkeypatch.setattr(module, "_flush_logs", lambda: None)
+    with pytest.raises(SystemExit):
+        module._exit_when_engine_dead(Engine(), interval=0.01)
+    assert codes == [1]

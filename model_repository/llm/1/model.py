@@ -79,6 +79,8 @@ class TritonPythonModel:
         self.engine.start()
         threading.Thread(target=_exit_with_tritonserver, args=(os.getppid(),), name="llm-parent-watch",
                          daemon=True).start()
+        threading.Thread(target=_exit_when_engine_dead, args=(self.engine,), name="llm-engine-watch",
+                         daemon=True).start()
 
     @staticmethod
     def _device_id(args: dict, settings) -> int:
@@ -236,12 +238,7 @@ def _exit_now() -> None:
     finished with Triton. The rest of the interpreter's teardown (torch's included) took
     1.3 s, and Triton waits for the process: with a short ``--exit-timeout-secs`` it gave
     up ("Exit timeout expired")."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
+    _flush_logs()
     os._exit(0)
 
 
@@ -263,6 +260,30 @@ def _poll_cancels(watched: dict[int, _Watch]) -> None:
         if cancelled:
             watch.cancelled.set()
             del watched[key]  # the engine ends it; its FINAL still comes through the outbox
+
+
+def _exit_when_engine_dead(engine, interval: float = 1.0) -> None:
+    """End the stub once the engine cannot serve any more (``Engine.health``: its thread
+    ended, a step hung past ``stepTimeout``, or ``maxFailedSteps`` steps failed in a row).
+    Triton then ends every open request with an error and the launcher restarts
+    tritonserver, as after a crash; a hung or broken engine would instead hold requests
+    until their timeouts while /health said all was well."""
+    while True:
+        time.sleep(interval)
+        reason = engine.health()
+        if reason:
+            log.critical("%s; exiting so that the model is restarted", reason)
+            _flush_logs()
+            os._exit(1)
+
+
+def _flush_logs() -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
 
 
 def _exit_with_tritonserver(parent: int) -> None:

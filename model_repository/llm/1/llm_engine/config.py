@@ -114,6 +114,12 @@ class ScheduleSection(_Section):
     kvCacheMemoryMiB: int = Field(1024, ge=1)
     maxWaitingRequests: int = Field(2000, ge=1, description="engine queue bound")
     enablePrefixCache: bool = True
+    stepTimeout: float = Field(
+        600, ge=0, description="seconds one engine step may run before the engine counts as hung: the llm "
+                               "stub then exits and is restarted (0 = never)")
+    maxFailedSteps: int = Field(
+        20, ge=0, description="engine steps failing in a row, none succeeding, before the engine counts as "
+                              "broken (a lost device, say): the llm stub then exits and is restarted (0 = never)")
 
     @model_validator(mode="after")
     def _within_batch(self):

@@ -36,7 +36,8 @@ SLOW_STEP_SECONDS = 1.0  # a step slower than this is logged with what it ran
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, blocks: BlockManager, scheduler: Scheduler,
-                 limits: EngineLimits, eos_token_ids: list[int], metrics=None, cores: CoreSplit | None = None):
+                 limits: EngineLimits, eos_token_ids: list[int], metrics=None, cores: CoreSplit | None = None,
+                 step_timeout: float = 0.0, max_failed_steps: int = 0):
         self.runner = runner
         self.tokenizer = tokenizer
         self.blocks = blocks
@@ -53,6 +54,10 @@ class Engine:
         self.last_batch_size = 0
         self.dropped: list[str] = []  # ids of requests ended by cancellation (bounded)
         self._beams = BeamSteps(self)
+        self.step_timeout = step_timeout  # see health()
+        self.max_failed_steps = max_failed_steps
+        self._step_started = 0.0  # time.monotonic() of the step running now, 0 between steps
+        self.failed_steps_in_a_row = 0
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -71,6 +76,19 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> str:
+        """Why the engine cannot serve any more ("" while it can): its thread ended, a step
+        has run for longer than ``step_timeout``, or ``max_failed_steps`` steps failed in a
+        row. Nothing in-process recovers from these; the caller should restart it."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            return "the engine thread has ended"
+        started = self._step_started
+        if self.step_timeout and started and time.monotonic() - started > self.step_timeout:
+            return f"an engine step has run for more than {self.step_timeout:g} s"
+        if self.max_failed_steps and self.failed_steps_in_a_row >= self.max_failed_steps:
+            return f"{self.failed_steps_in_a_row} engine steps failed in a row"
+        return ""
 
     # -- submission -------------------------------------------------------------
     def prepare(self, req: Request) -> None:
@@ -138,6 +156,13 @@ class Engine:
         for req in {id(it.seq.request): it.seq.request for it in plan.items}.values():
             if req.first_scheduled == 0.0:
                 req.first_scheduled = now
+        self._step_started = now
+        try:
+            self._run_step(plan, now)
+        finally:
+            self._step_started = 0.0
+
+    def _run_step(self, plan: Plan, now: float) -> None:
         advanced = False
         try:
             self.runner.copy_blocks(plan.copies)
@@ -158,8 +183,10 @@ class Engine:
                 logits = logits[keep]
             result = sample(logits, [self._row_spec(seq) for seq in owners])
         except Exception as exc:
+            self.failed_steps_in_a_row += 1
             self._step_failed(plan, exc, advanced)
             return
+        self.failed_steps_in_a_row = 0
         self.steps += 1
         self.last_batch_size = plan.num_sequences
         t_forward = time.monotonic()

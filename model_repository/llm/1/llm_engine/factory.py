@@ -65,7 +65,8 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids.append(tokenizer.eos_token_id)
-    engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics, cores)
+    engine = Engine(runner, tokenizer, blocks, scheduler, limits, eos_ids, metrics, cores,
+                    step_timeout=sched.stepTimeout, max_failed_steps=sched.maxFailedSteps)
     cpus = f"engine {list(cores.engine)}, rest {list(cores.rest)}" if cores else "unpinned"
     log.info(
         "engine ready in %.1fs: device=%s threads=%d cpus=%s dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
