@@ -194,7 +194,10 @@ def test_prompt_too_long_is_rejected_before_queueing(engine):
     assert exc.value.status == 424 and "2048" in str(exc.value)
 
 
-def test_kv_budget_exhaustion_queues_instead_of_failing():
+def test_kv_budget_exhaustion_queues_instead_of_failing(engine):
+    """Six 45-token sequences in 12 blocks of 16: some wait, some are preempted and
+    recomputed (prompt and generated tokens prefilled again), and each still says what it
+    says alone with room to spare (float32: recomputation changes only the last bits)."""
     eng = build(kvCacheBlocks=12, cacheBlockSize=16, enablePrefixCache=False)
     try:
         runs = [Run(eng, f"Request number {i} says", max_tokens=40, temperature=0, ignore_eos=True)
@@ -203,6 +206,10 @@ def test_kv_budget_exhaustion_queues_instead_of_failing():
             r.wait(300)
         assert all(r.error is None and r.outputs[-1].completion_tokens == 40 for r in runs)
         assert eng.blocks.num_free == 12
+        assert eng.scheduler.num_preemptions > 0
+        alone = [Run(engine, f"Request number {i} says", max_tokens=40, temperature=0, ignore_eos=True).wait().text()
+                 for i in range(6)]
+        assert [r.text() for r in runs] == alone
     finally:
         eng.stop()
 
