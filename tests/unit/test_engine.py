@@ -506,3 +506,27 @@ def wait_until(predicate, timeout: float) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_full_engine_queue_refuses_at_once_and_serves_again_when_it_drains(monkeypatch):
+    """maxWaitingRequests bounds the queue: beyond it submit() raises Overloaded (503 with
+    Retry-After at the API) instead of queueing without bound."""
+    from llm_engine.errors import Overloaded
+
+    eng = build(kvCacheMemoryMiB=16, maxBatchSize=1, maxPrefillBatchSize=1, maxWaitingRequests=2)
+    release = threading.Event()
+    real = eng.runner.forward
+    monkeypatch.setattr(eng.runner, "forward", lambda step: (release.wait(30), real(step))[1])
+    try:
+        running = Run(eng, "First", max_tokens=2, temperature=0)
+        assert wait_until(lambda: len(eng.scheduler.running) == 1, 10)
+        queued = [Run(eng, f"Queued {i}", max_tokens=2, temperature=0) for i in range(2)]
+        with pytest.raises(Overloaded, match="queue is full"):
+            Run(eng, "One too many", max_tokens=2, temperature=0)
+        release.set()
+        for r in [running, *queued]:
+            assert r.wait().error is None
+        assert Run(eng, "After", max_tokens=2, temperature=0).wait().error is None
+    finally:
+        release.set()
+        eng.stop()
