@@ -25,9 +25,10 @@ def child_pids(parent: int) -> list[int]:
 
 
 @pytest.fixture
-def launched(tmp_path, monkeypatch):
+def launched(tmp_path, monkeypatch, request):
+    """``python -m adapter.launch``; settings overrides come as the fixture's indirect param."""
     monkeypatch.setenv("MINDIE_TEST_PORT_BASE", str(int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000")) + 500))
-    cfg = write_settings(tmp_path)
+    cfg = write_settings(tmp_path, **getattr(request, "param", {}))
     data = json.loads(cfg.read_text())
     url = f"http://127.0.0.1:{data['ServerConfig']['port']}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "model_repository/llm/1")]))
@@ -104,6 +105,30 @@ def test_stub_crash_ends_streams_with_an_error_and_recovers(launched):
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(first_run)]
     r = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("launched", [{"BackendConfig.ScheduleConfig": {"stepTimeout": 0.001}}], indirect=True)
+def test_a_hung_engine_ends_its_stub_and_the_model_comes_back(launched):
+    """Every step outlives a 1 ms stepTimeout, so the first long stream makes the engine
+    count as hung: the stub exits, the stream ends with an error event instead of hanging,
+    and the launcher brings the model back."""
+    proc, url, log = launched
+    (triton,) = [p for p in child_pids(proc.pid) if "tritonserver" in open(f"/proc/{p}/cmdline").read()]
+    (stub,) = [p for p in child_pids(triton) if "/llm/1/model.py" in open(f"/proc/{p}/cmdline").read()]
+    events = []
+    with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json={
+            "model": MODEL_NAME, "prompt": "Write an essay", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert '"error_type"' in events[-1], events[-3:]
+    assert not alive(stub)
+    assert "an engine step has run for more than 0.001 s; exiting so that the model is restarted" in log.read_text()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and ready(url) != 200:
+        time.sleep(0.2)
+    assert ready(url) == 200
+    stubs = [p for t in child_pids(proc.pid) for p in child_pids(t) if "/llm/1/model.py" in open(f"/proc/{p}/cmdline").read()]
+    assert stubs and stub not in stubs
 
 
 def test_sigterm_drains_in_flight_then_exits(launched):
