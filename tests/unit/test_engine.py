@@ -530,3 +530,19 @@ def test_a_full_engine_queue_refuses_at_once_and_serves_again_when_it_drains(mon
     finally:
         release.set()
         eng.stop()
+
+
+def test_stop_during_a_long_step_leaves_the_scheduler_to_the_engine_thread(monkeypatch):
+    """stop() that times out while a step runs must not end requests from another thread;
+    the engine thread ends them, with one error each, when the step is over."""
+    eng = build(kvCacheMemoryMiB=16)
+    real = eng.runner.forward
+    monkeypatch.setattr(eng.runner, "forward", lambda step: (time.sleep(1.0), real(step))[1])
+    r = Run(eng, "Hi", max_tokens=50, temperature=0, ignore_eos=True)
+    assert wait_until(lambda: eng._step_started > 0, 10)
+    eng.stop(timeout=0.1)
+    assert eng._thread.is_alive() and not r.done.is_set()  # the step is still running
+    assert r.wait(10).error is not None and "shutting down" in str(r.error)
+    eng._thread.join(5)
+    assert not eng._thread.is_alive() and not eng.scheduler.requests()
+    assert [o.final for o in r.outputs].count(True) == 0

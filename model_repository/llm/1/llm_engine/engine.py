@@ -65,12 +65,25 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every request still open ends with an error. That is done by the
+        engine thread as it leaves, so that no other thread changes the scheduler during a
+        step; here only when the thread is gone (or never ran)."""
         with self._wake:
             self._stop = True
             self._wake.notify()
         if self._thread:
             self._thread.join(timeout)
-        for req in list(self.scheduler.requests()) + list(self._inbox):
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("the engine thread is still in a step after %.0f s; it ends the open requests "
+                        "when that step does", timeout)
+            return
+        self._fail_open_requests()
+
+    def _fail_open_requests(self) -> None:
+        with self._wake:
+            open_requests = list(self.scheduler.requests()) + list(self._inbox)
+            self._inbox.clear()
+        for req in open_requests:
             self._fail(req, EngineError("the model is shutting down"))
 
     @property
@@ -129,7 +142,7 @@ class Engine:
                 while not self._stop and not self._inbox and not self.scheduler.requests():
                     self._wake.wait(timeout=0.5)
                 if self._stop:
-                    return
+                    break
                 new = list(self._inbox)
                 self._inbox.clear()
             for req in new:
@@ -141,6 +154,7 @@ class Engine:
                 self.step()
             except Exception:  # a bug must not kill the loop; fail what ran and go on
                 log.exception("engine step failed")
+        self._fail_open_requests()
 
     @torch.inference_mode()
     def step(self) -> None:
