@@ -101,11 +101,11 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 self._submit(request, sender)
-            except EngineError as exc:  # the error FINAL goes out on the sender thread too
-                self._outbox.put((sender, exc, 0.0, frozenset()))
+            except EngineError as exc:
+                self._end_with_error(sender, exc)
             except Exception as exc:  # never leave a request without its FINAL
                 log.exception("could not submit a request")
-                self._outbox.put((sender, EngineError(f"internal error: {exc}"), 0.0, frozenset()))
+                self._end_with_error(sender, EngineError(f"internal error: {exc}"))
         return None
 
     def _submit(self, request, sender) -> None:
@@ -130,7 +130,7 @@ class TritonPythonModel:
         try:
             self.engine.submit(req)
         except EngineError as exc:
-            self._outbox.put((sender, exc, 0.0, wanted))
+            self._end_with_error(sender, exc)
             return
         self.metrics.on_request(len(prompt_ids))
 
@@ -155,6 +155,10 @@ class TritonPythonModel:
             except UnicodeDecodeError:
                 raise InvalidParameter("text_input must be UTF-8") from None
         return self.engine.tokenizer(text).input_ids
+
+    def _end_with_error(self, sender, exc: EngineError) -> None:
+        """Queue the request's error FINAL: like every response, it goes out on the sender thread."""
+        self._outbox.put((sender, exc, 0.0, frozenset()))
 
     # -- responses out -------------------------------------------------------------
     def _send_loop(self) -> None:

@@ -73,7 +73,7 @@ class Engine:
             self._wake.notify()
         if self._thread:
             self._thread.join(timeout)
-        if self._thread is not None and self._thread.is_alive():
+        if self.alive:
             log.warning("the engine thread is still in a step after %.0f s; it ends the open requests "
                         "when that step does", timeout)
             return
@@ -94,7 +94,7 @@ class Engine:
         """Why the engine cannot serve any more ("" while it can): its thread ended, a step
         has run for longer than ``step_timeout``, or ``max_failed_steps`` steps failed in a
         row. Nothing in-process recovers from these; the caller should restart it."""
-        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+        if self._thread is not None and not self.alive and not self._stop:
             return "the engine thread has ended"
         started = self._step_started
         if self.step_timeout and started and time.monotonic() - started > self.step_timeout:
