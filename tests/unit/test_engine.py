@@ -114,6 +114,17 @@ def test_logprobs_per_token(engine):
         assert e["logprob"] <= 0 and len(e["top"]) == 3
         assert e["top"][0][1] >= e["top"][-1][1]
         assert e["logprob"] == pytest.approx(e["top"][0][1], abs=1e-4)  # greedy picks the top one
+    tokens = r.outputs[-1].token_ids
+    assert [e["token"] for e in entries] == [engine.tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
+    assert entries[0]["top"][0][0] == entries[0]["token"]
+
+
+def test_token_texts_are_decoded_once_and_keep_skip_special_tokens_apart(engine, monkeypatch):
+    eos = engine.tokenizer.eos_token_id
+    assert engine.token_text(eos, True) == ""
+    assert engine.token_text(eos) == engine.tokenizer.decode([eos])
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda *a, **k: pytest.fail("decoded again"))
+    assert engine.token_text(eos, True) == "" and engine.token_text(eos) != ""
 
 
 def test_cancellation_frees_the_slot(engine):

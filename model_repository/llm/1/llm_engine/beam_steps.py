@@ -100,7 +100,7 @@ class BeamSteps:
             text_ids = ids[:-1] if h.finish_reason == contract.FINISH_STOP else ids
             entries = None
             if req.params.logprobs is not None:
-                entries = [{"token": self.engine.tokenizer.decode([t], skip_special_tokens=skip), "logprob": lp,
+                entries = [{"token": self.engine.token_text(t, skip), "logprob": lp,
                             "top": []} for t, lp in zip(ids, h.logprobs)]
             outputs.append(StepOutput(
                 index=i, text=self.engine.tokenizer.decode(text_ids, skip_special_tokens=skip), token_ids=list(ids),

@@ -58,6 +58,7 @@ class Engine:
         self.max_failed_steps = max_failed_steps
         self._step_started = 0.0  # time.monotonic() of the step running now, 0 between steps
         self.failed_steps_in_a_row = 0
+        self._token_texts: dict[tuple[int, bool], str] = {}  # see token_text
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -335,13 +336,18 @@ class Engine:
         unfinished character, which no later token can complete now."""
         return seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
 
+    def token_text(self, token: int, skip_special_tokens: bool = False) -> str:
+        """One token decoded on its own, as logprobs report it (cached: 1 + top-k per token)."""
+        key = (token, skip_special_tokens)
+        text = self._token_texts.get(key)
+        if text is None:
+            text = self._token_texts[key] = self.tokenizer.decode([token], skip_special_tokens=skip_special_tokens)
+        return text
+
     def _logprob_entry(self, seq: Sequence, token: int, logprob: float, top) -> dict:
         skip = seq.request.params.skip_special_tokens
-        entry = {"token": self.tokenizer.decode([token], skip_special_tokens=skip), "logprob": logprob,
-                 "top": []}
-        for tid, lp in top or []:
-            entry["top"].append([self.tokenizer.decode([tid]), lp])
-        return entry
+        return {"token": self.token_text(token, skip), "logprob": logprob,
+                "top": [[self.token_text(tid), lp] for tid, lp in top or []]}
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
