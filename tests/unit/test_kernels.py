@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from llm_engine import linear
 from llm_engine.linear import is_batch_invariant, make_linear, packing_supported
 from llm_engine.runner import matmul_attention, rotate, sdpa_attention
 
@@ -36,6 +37,31 @@ def test_bf16_linears_are_batch_invariant(k):
     assert is_batch_invariant(lin, k, torch.bfloat16, torch.device("cpu"))
     x = torch.randn(9, k, dtype=torch.bfloat16)
     torch.testing.assert_close(lin(x), F.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
+def _rowwise(weight, bias, differs):
+    """A stand-in kernel whose rows are exact, plus one ulp-sized error when ``differs(rows)``."""
+    def lin(x):
+        y = (x.float()[:, None, :] * weight.float()[None]).sum(-1)
+        return (y + (1e-2 if differs(x.shape[0]) else 0.0)).to(x.dtype)
+    return lin
+
+
+def test_a_kernel_that_differs_only_for_single_rows_gets_them_padded(monkeypatch):
+    """oneDNN took another path for one row of SmolLM2's down projection than for 2-512:
+    padding a single row to two is then enough, with no K split."""
+    monkeypatch.setattr(linear, "_kernel", lambda w, b: _rowwise(w, b, lambda rows: rows == 1))
+    w = torch.randn(32, 128).bfloat16()
+    assert linear._invariant_strategy(w) == linear.PAD_ONE_ROW
+    lin = linear._build(w, None, linear.PAD_ONE_ROW)
+    x = torch.randn(5, 128).bfloat16()
+    assert torch.equal(lin(x[2:3]), lin(x)[2:3])
+    assert lin(x[2:3]).shape == (1, 32)
+
+
+def test_a_kernel_that_differs_between_larger_batches_is_not_padded(monkeypatch):
+    monkeypatch.setattr(linear, "_kernel", lambda w, b: _rowwise(w, b, lambda rows: rows % 2 == 1))
+    assert linear._invariant_strategy(torch.randn(32, 128).bfloat16()) != linear.PAD_ONE_ROW
 
 
 def _decode_mask(lengths, lk):

@@ -8,13 +8,16 @@ every call. Reordering once at load (``mkldnn._reorder_linear_weight``) and call
 
 Batch invariance. A seeded request must sample the same text whatever else shares its
 step, so a row's result must not depend on how many rows the matmul has. oneDNN's bf16
-kernels keep that for short reductions but not for long ones (measured: K <= 1024
-exact, K = 1536 differed in ~6% of rows between 1 and 2-64 rows), and bf16 rounding
-turns such one-ulp differences into different tokens. So each reduced-precision
-weight shape is probed once at load, and a shape that is not batch-invariant is split
-along K into chunks that are, summed in float32 in a fixed order. float32 kernels
-differ between batch sizes too (MKL), but only in the last bits of float32, which
-rarely changes a sampled token; they are used as they are.
+kernels keep that for short reductions, but for SmolLM2's down projection (K = 1536)
+a single row took another path than 2 or more rows and differed in the last bit for a
+few rows in a hundred (2 to 512 rows all agreed), and bf16 rounding turns such one-ulp
+differences into different tokens. So each reduced-precision weight shape is probed
+once at load and gets the first of these that is batch-invariant: the kernel as it is;
+the kernel with a single row padded to two (free at one row, which is memory-bound);
+the reduction split along K into chunks, summed in float32 in a fixed order (the
+split down projection cost ~4 ms of a ~75 ms step at 32 rows). float32 kernels differ
+between batch sizes too (MKL), but only in the last bits of float32, which rarely
+changes a sampled token; they are used as they are.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-PROBE_ROWS = 32
-_chunks_for_shape: dict[tuple, int] = {}  # (N, K, dtype, device type) -> K chunks found batch-invariant
+PROBE_ROWS = 64
+PAD_ONE_ROW = 0  # in _strategy_for_shape: pad single rows to two, no K split
+_strategy_for_shape: dict[tuple, int] = {}  # (N, K, dtype, device type) -> K chunks, or PAD_ONE_ROW
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -45,12 +49,17 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linea
     if weight.device.type != "cpu" or weight.dtype == torch.float32:
         return _kernel(weight, bias)
     key = (*weight.shape, weight.dtype, weight.device.type)
-    if key not in _chunks_for_shape:
-        _chunks_for_shape[key] = _invariant_chunks(weight)
-    chunks = _chunks_for_shape[key]
-    if chunks == 1:
+    if key not in _strategy_for_shape:
+        _strategy_for_shape[key] = _invariant_strategy(weight)
+    return _build(weight, bias, _strategy_for_shape[key])
+
+
+def _build(weight: torch.Tensor, bias: torch.Tensor | None, strategy: int) -> Linear:
+    if strategy == 1:
         return _kernel(weight, bias)
-    return _chunked(weight, bias, chunks)
+    if strategy == PAD_ONE_ROW:
+        return _padded(_kernel(weight, bias))
+    return _chunked(weight, bias, strategy)
 
 
 def _kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -61,6 +70,16 @@ def _kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         except RuntimeError as exc:  # an oneDNN build without the op: plain matmul
             log.warning("weight prepacking unavailable (%s); using plain linear", exc)
     return lambda x: F.linear(x, weight, bias)
+
+
+def _padded(kernel: Linear) -> Linear:
+    """``kernel`` with a single row computed as two (the row twice), as larger batches are."""
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return kernel(x.expand(2, -1).contiguous())[:1]
+        return kernel(x)
+
+    return linear
 
 
 def _chunked(weight: torch.Tensor, bias: torch.Tensor | None, chunks: int) -> Linear:
@@ -88,24 +107,30 @@ def is_batch_invariant(linear: Linear, in_features: int, dtype: torch.dtype, dev
     x = torch.randn(PROBE_ROWS, in_features, generator=gen).to(device=device, dtype=dtype)
     with torch.inference_mode():
         full = linear(x)
-        for rows in (slice(0, 1), slice(0, 2), slice(0, 5), slice(7, 8), slice(3, 20), slice(31, 32)):
+        for rows in (slice(0, 1), slice(0, 2), slice(0, 5), slice(7, 8), slice(3, 20), slice(31, 32),
+                     slice(10, 43), slice(1, 64)):
             if not torch.equal(linear(x[rows]), full[rows]):
                 return False
         return all(torch.equal(linear(x[i : i + 1]), full[i : i + 1]) for i in range(PROBE_ROWS))
 
 
-def _invariant_chunks(weight: torch.Tensor) -> int:
-    """The fewest equal K-chunks (1, 2, 4, ...) whose kernels are batch-invariant for this shape."""
+def _invariant_strategy(weight: torch.Tensor) -> int:
+    """The cheapest batch-invariant form for this shape: 1 (as it is), :data:`PAD_ONE_ROW`,
+    or the fewest equal K-chunks (2, 4, ...)."""
     n, k = weight.shape
-    chunks = 1
+    dtype = str(weight.dtype).removeprefix("torch.")
+    plain = _kernel(weight, None)
+    if is_batch_invariant(plain, k, weight.dtype, weight.device):
+        return 1
+    if is_batch_invariant(_padded(plain), k, weight.dtype, weight.device):
+        log.info("linear %dx%d (%s): single rows padded to two for batch-invariant results", n, k, dtype)
+        return PAD_ONE_ROW
+    chunks = 2
     while k % chunks == 0 and k // chunks >= 64:
-        fn = _kernel(weight, None) if chunks == 1 else _chunked(weight, None, chunks)
-        if is_batch_invariant(fn, k, weight.dtype, weight.device):
-            if chunks > 1:
-                log.info("linear %dx%d (%s): split into %d K-chunks for batch-invariant results",
-                         n, k, str(weight.dtype).removeprefix("torch."), chunks)
+        if is_batch_invariant(_chunked(weight, None, chunks), k, weight.dtype, weight.device):
+            log.info("linear %dx%d (%s): split into %d K-chunks for batch-invariant results", n, k, dtype, chunks)
             return chunks
         chunks *= 2
-    log.warning("linear %dx%d (%s): no batch-invariant split found; a seeded request's text may "
-                "depend on what shares its batch", n, k, str(weight.dtype).removeprefix("torch."))
+    log.warning("linear %dx%d (%s): no batch-invariant form found; a seeded request's text may "
+                "depend on what shares its batch", n, k, dtype)
     return 1
