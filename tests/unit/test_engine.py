@@ -87,6 +87,17 @@ def test_text_held_back_for_a_stop_string_is_kept_when_a_stop_token_ends(engine)
         assert r.finals()[0].completion_tokens == k + 1
 
 
+def test_a_prompt_of_ids_ending_inside_a_character_completes_it(engine):
+    """The model finishes the character the prompt's ids broke off: the completion starts
+    with that character (it started with U+FFFD before)."""
+    tok = engine.tokenizer
+    ids = tok("Chinese greeting: 你好").input_ids
+    cut = next(c for c in range(len(ids) - 1, 0, -1) if tok.decode(ids[:c]).endswith("\ufffd"))
+    text = Run(engine, ids[:cut], max_tokens=4, temperature=0).wait().text()
+    assert "\ufffd" not in text
+    assert text.startswith("好")
+
+
 def test_stop_token_ids(engine):
     full = Run(engine, "Count: one, two,", max_tokens=10, temperature=0, ignore_eos=True).wait()
     tokens = [t for o in full.outputs for t in o.token_ids]
