@@ -1,17 +1,21 @@
-"""The engine in bf16: which results are bit-identical whatever shares a step (the CPU's
-matmul attention), and what holds on CUDA."""
+"""The engine in bf16: which results are bit-identical whatever shares a step (on CPU, with
+the fused kernels and with the torch path's matmul attention), and what holds on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from llm_engine import cpu_ops
 
 from tests.unit.engine_harness import Run, build
 
 
-@pytest.fixture(scope="module")
-def bf16_engine():
-    eng = build(dtype="bfloat16", kvCacheMemoryMiB=64)
+@pytest.fixture(scope="module", params=["fused", "torch"])
+def bf16_engine(request):
+    """The engine with the fused CPU kernels (where they build) and with the torch path."""
+    eng = build(dtype="bfloat16", cpu_kernels="auto" if request.param == "fused" else "off", kvCacheMemoryMiB=64)
+    assert (eng.runner.ops is None) == (request.param == "torch" or eng.runner.device.type != "cpu"
+                                        or cpu_ops.load(torch.bfloat16) is None)
     yield eng
     eng.stop()
 
@@ -51,7 +55,7 @@ def test_bf16_prefix_cache_hit_gives_the_same_bits_as_a_miss(bf16_engine):
     position takes the same attention path whether the positions before it come from the
     cache or are computed in the same step (short, long, and one-token-past-a-block prompts).
 
-    That holds for the CPU's matmul attention. CUDA's flash / memory-efficient SDPA sums a
+    That holds on CPU (the fused kernels and the matmul attention). CUDA's flash / memory-efficient SDPA sums a
     hit's fewer query rows differently: on an H200 (2026-12-04) the long prompt's text was
     the same and its logprobs differed at bf16 rounding (first token -0.0643 against -0.0602)."""
     eng = bf16_engine
@@ -89,7 +93,8 @@ def test_bf16_short_prompt_split_by_the_token_budget_gives_the_same_bits(bf16_en
     # the same text, logprobs 1e-4 apart. Bit-exact is the CPU's matmul attention.
     exact = bf16_engine.runner.matmul_attention
     monkeypatch.setattr(bf16_engine.blocks, "enable_prefix_cache", False)
-    small = build(dtype="bfloat16", kvCacheMemoryMiB=64, maxPrefillTokens=17, enablePrefixCache=False)
+    small = build(dtype="bfloat16", cpu_kernels="auto" if bf16_engine.runner.ops else "off", kvCacheMemoryMiB=64,
+                  maxPrefillTokens=17, enablePrefixCache=False)
     try:
         tok = bf16_engine.tokenizer
         req = dict(max_tokens=6, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)

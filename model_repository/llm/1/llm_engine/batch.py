@@ -59,9 +59,10 @@ def build_step_input(plan: Plan, bs: int, dev: torch.device, dummy_slot: int) ->
     else:
         ctx = torch.empty(0, 0, dtype=torch.long, device=dev)
         mask = torch.empty(0, 1, 1, 0, dtype=torch.bool, device=dev)
+        lens_t = torch.empty(0, dtype=torch.long, device=dev)
     as_t = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
     return StepInput(as_t(ids), as_t(pos), as_t(slots), as_t(decode_rows), ctx, mask, prefills,
-                     as_t(logit_rows), short_prefills(short, bs, dev, dummy_slot)), owners
+                     as_t(logit_rows), short_prefills(short, bs, dev, dummy_slot), lens_t), owners
 
 def short_prefills(short: list[tuple[int, int, int, Sequence]], bs: int, dev: torch.device,
                    dummy_slot: int) -> PrefillBatch | None:
@@ -83,8 +84,10 @@ def short_prefills(short: list[tuple[int, int, int, Sequence]], bs: int, dev: to
     offset = (ctxs - ns)[:, None, None]
     mask = (kj[None, None, :] <= offset + qi[None, :, None]) & k_valid[:, None, :]
     mask[:, :, 0] |= ~q_valid  # padded queries attend somewhere, so no row is all -inf
+    q_seq = torch.arange(len(short), device=dev)[:, None].expand(-1, lq)[q_valid]
+    q_lens = (offset[:, 0] + qi[None, :] + 1)[q_valid]
     q_valid = q_valid.reshape(-1)
-    return PrefillBatch(q_index, q_valid, q_index[q_valid], kv, mask[:, None], (len(short), lq, lk))
+    return PrefillBatch(q_index, q_valid, q_index[q_valid], kv, mask[:, None], (len(short), lq, lk), q_seq, q_lens)
 
 def context_slots(seqs: list[Sequence], length: int, bs: int, dev: torch.device) -> torch.Tensor:
     """Slot ids of positions ``0..length-1`` for each sequence, ``[B, length]``."""

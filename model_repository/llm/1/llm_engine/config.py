@@ -75,6 +75,12 @@ class ModelSection(_Section):
                             "to the last cpuThreads cores and tritonserver, the adapter and the stub's "
                             "other threads to the others (see llm_engine/cpu_cores.py); off: let the OS "
                             "place every thread")
+    cpuKernels: Literal["auto", "off"] = Field(
+        "auto", description="auto (default): on CPU, run each layer's norms, rotary embedding, KV-cache "
+                            "write, attention and SiLU product in fused C kernels built with the system "
+                            "C compiler at first load (llm_engine/cpu_ops.py), where the model is a "
+                            "standard Llama-family one; the torch path is used where they can't be built; "
+                            "off: always the torch path")
 
     @field_validator("modelName")
     @classmethod

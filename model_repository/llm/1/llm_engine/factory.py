@@ -50,7 +50,8 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances
     per_token = ModelRunner.kv_bytes_per_token(config, dtype)
     num_blocks = sched.kvCacheBlocks or max(1, sched.kvCacheMemoryMiB * 2**20 // (per_token * block_size))
     max_pos = min(deploy.maxSeqLen, info["max_position_embeddings"] or deploy.maxSeqLen) + 1
-    runner = ModelRunner(model, device, dtype, num_blocks, block_size, max_pos)
+    runner = ModelRunner(model, device, dtype, num_blocks, block_size, max_pos,
+                         fused_kernels=mc.cpuKernels == "auto")
     blocks = BlockManager(num_blocks, block_size, sched.enablePrefixCache)
     scheduler = Scheduler(blocks, sched.maxBatchSize, sched.maxPrefillBatchSize, sched.maxPrefillTokens,
                           sched.maxWaitingRequests)
@@ -69,10 +70,11 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances
                     step_timeout=sched.stepTimeout, max_failed_steps=sched.maxFailedSteps)
     cpus = f"engine {list(cores.engine)}, rest {list(cores.rest)}" if cores else "unpinned"
     log.info(
-        "engine ready in %.1fs: device=%s threads=%d cpus=%s dtype=%s kv_blocks=%d x %d tokens (%.0f MiB) "
+        "engine ready in %.1fs: device=%s threads=%d cpus=%s dtype=%s fused_cpu_kernels=%s kv_blocks=%d x %d tokens (%.0f MiB) "
         "maxBatchSize=%d maxPrefillTokens=%d maxSeqLen=%d maxIterTimes=%d prefix_cache=%s eos=%s "
         "default top_k=%d temperature=%g",
-        time.monotonic() - t0, device, torch.get_num_threads(), cpus, str(dtype).removeprefix("torch."), num_blocks,
+        time.monotonic() - t0, device, torch.get_num_threads(), cpus, str(dtype).removeprefix("torch."),
+        runner.ops is not None, num_blocks,
         block_size,
         num_blocks * block_size * per_token / 2**20, sched.maxBatchSize, sched.maxPrefillTokens,
         deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids, limits.default_top_k,

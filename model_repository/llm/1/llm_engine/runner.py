@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_ops
 from .linear import Linear, make_linear
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class StepInput:
     prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (start_row, n_tokens, ctx_len, ctx_slots)
     logit_rows: torch.Tensor  # [R] token rows whose logits are needed
     short_prefills: PrefillBatch | None = None  # short prefill chunks, attended in one padded call
+    decode_lens: torch.Tensor | None = None  # [Bd] context length of each decode (the fused kernels)
 
 
 @dataclass
@@ -52,6 +54,8 @@ class PrefillBatch:
     kv_slots: torch.Tensor  # [P * Lk] slot of each key (pads = the dummy slot)
     mask: torch.Tensor  # [P, 1, Lq, Lk] bool, causal within each sequence's context
     shape: tuple[int, int, int]  # P, Lq, Lk
+    q_seq: torch.Tensor | None = None  # chunk (0..P-1) of each valid query, in q_rows order
+    q_lens: torch.Tensor | None = None  # keys each valid query attends (its position + 1)
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor,
@@ -103,7 +107,7 @@ class ModelRunner:
     """Holds the model, the KV pool and the rotary tables on one device."""
 
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 max_positions: int):
+                 max_positions: int, fused_kernels: bool = True):
         cfg = model.config
         self.model = model
         self.device = device
@@ -132,6 +136,7 @@ class ModelRunner:
         self.matmul_attention = device.type == "cpu" and dtype != torch.float32
         self._attend = matmul_attention if self.matmul_attention else sdpa_attention
         self._fuse_projections()
+        self.ops = self._load_fused_kernels() if fused_kernels else None
 
     def _fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up per layer instead of five small ones.
@@ -157,6 +162,7 @@ class ModelRunner:
             self.gate_up.append(make_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])))
             self.down.append(make_linear(m.down_proj.weight, m.down_proj.bias))
             self.act.append(m.act_fn)
+            self.intermediate = m.gate_proj.weight.shape[0]
             del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
         head = self.model.lm_head
         self.lm_head = make_linear(head.weight, head.bias)
@@ -165,6 +171,32 @@ class ModelRunner:
         self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
         self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = self._norm(self.inner.norm)
+
+    def _load_fused_kernels(self) -> cpu_ops.CpuOps | None:
+        """The fused CPU kernels (:mod:`cpu_ops`) where this model and device can use them."""
+        cfg = self.model.config
+        norms = [layer.input_layernorm for layer in self.layers] + [layer.post_attention_layernorm
+                                                                    for layer in self.layers]
+        standard = (
+            self.device.type == "cpu"
+            and getattr(cfg, "hidden_act", None) in ("silu", "swish")
+            and not hasattr(self.layers[0].self_attn, "q_norm")
+            and self.head_dim % 2 == 0 and self.num_heads % self.num_kv_heads == 0
+            and all(type(n).__name__ in FUSABLE_NORMS and _norm_eps(n) is not None for n in norms)
+        )
+        if not standard:
+            return None
+        ops = cpu_ops.load(self.dtype)
+        if ops is None:
+            return None
+        as_f32 = lambda n: n.weight.detach().float().contiguous()  # noqa: E731
+        self.norm_in = [(as_f32(ly.input_layernorm), _norm_eps(ly.input_layernorm)) for ly in self.layers]
+        self.norm_post = [(as_f32(ly.post_attention_layernorm), _norm_eps(ly.post_attention_layernorm))
+                          for ly in self.layers]
+        self.cos_f32 = self.cos.float().contiguous()
+        self.sin_signed_f32 = self.sin_signed.float().contiguous()
+        log.info("fused CPU kernels on (%s)", str(self.dtype).removeprefix("torch."))
+        return ops
 
     @staticmethod
     def _norm(module):
@@ -194,6 +226,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Run the model; return float32 logits ``[R, vocab]`` for ``step.logit_rows``."""
+        if self.ops is not None:
+            return self._forward_fused(step)
         h = self.inner.embed_tokens(step.input_ids)
         cos = self.cos[step.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_signed[step.positions].unsqueeze(1)
@@ -205,6 +239,59 @@ class ModelRunner:
             h = h + self.down[i](self.act[i](gate) * up)
         h = self.final_norm(h[step.logit_rows])
         return self.lm_head(h).float()
+
+    def _forward_fused(self, step: StepInput) -> torch.Tensor:
+        """:meth:`forward` with the fused CPU kernels: per layer four matmuls and five kernel calls."""
+        ops, heads, d = self.ops, self.num_heads, self.head_dim
+        t = step.input_ids.shape[0]
+        h = self.inner.embed_tokens(step.input_ids).contiguous()  # the residual stream, updated in place
+        x = torch.empty_like(h)  # the normed input of the next matmul
+        q = torch.empty(t, heads, d, dtype=h.dtype)
+        attn = torch.empty(t, heads, d, dtype=h.dtype)
+        act = torch.empty(t, self.intermediate, dtype=h.dtype)
+        keys = max(step.decode_ctx.shape[1], step.short_prefills.shape[2] if step.short_prefills else 0)
+        scratch = torch.empty(heads // self.num_kv_heads * (d + keys), dtype=torch.float32)
+        delta = None
+        for i in range(len(self.layers)):
+            ops.add_rms_norm(h, delta, x, *self.norm_in[i])
+            qkv = self.qkv[i](x).contiguous()
+            cache = self.kv[i]
+            ops.rope_store_kv(qkv, step.positions, self.cos_f32, self.sin_signed_f32, heads,
+                              self.num_kv_heads, q, cache, step.slots)
+            self._attention_fused(q, cache, attn, step, scratch)
+            ops.add_rms_norm(h, self.o_proj[i](attn.view(t, heads * d)).contiguous(), x, *self.norm_post[i])
+            ops.silu_mul(self.gate_up[i](x).contiguous(), act)
+            delta = self.down[i](act).contiguous()
+        ops.add_rms_norm(h, delta, None, *self.norm_post[-1])
+        h = self.final_norm(h[step.logit_rows])
+        return self.lm_head(h).float()
+
+    def _attention_fused(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, step: StepInput,
+                         scratch: torch.Tensor) -> None:
+        """Decodes and short prefill chunks in the paged kernel, each query row on its own;
+        long prompts' chunks through SDPA."""
+        if step.decode_rows.numel():
+            self.ops.paged_attention(q, cache, out, step.decode_rows, None, step.decode_lens, step.decode_ctx,
+                                     self.scaling, scratch)
+        pb = step.short_prefills
+        if pb is not None:
+            p, _, lk = pb.shape
+            self.ops.paged_attention(q, cache, out, pb.q_rows, pb.q_seq, pb.q_lens, pb.kv_slots.view(p, lk),
+                                     self.scaling, scratch)
+        for start, n, ctx_len, ctx_slots in step.prefills:
+            whole = ctx_slots is None  # the whole context is in this chunk
+            slots = step.slots[start : start + n] if whole else ctx_slots
+            kp = cache[0].index_select(1, slots).unsqueeze(1)  # [KV, 1, ctx, D]
+            vp = cache[1].index_select(1, slots).unsqueeze(1)
+            if whole:
+                op = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1).unsqueeze(0),
+                                                    kp.transpose(0, 1), vp.transpose(0, 1), is_causal=True,
+                                                    scale=self.scaling, enable_gqa=True)[0].transpose(0, 1)
+            else:
+                rows = torch.arange(n)[:, None] + (ctx_len - n)
+                allowed = torch.arange(ctx_len)[None, :] <= rows
+                op = sdpa_attention(q[start : start + n].unsqueeze(0), kp, vp, allowed, self.scaling)[0]
+            out[start : start + n] = op
 
     def _step_masks(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decode and short-prefill masks in the form the attention kernel takes, once per step."""
@@ -270,3 +357,7 @@ class ModelRunner:
         kd = cache_k.index_select(1, flat).view(self.num_kv_heads, bd, length, self.head_dim)
         vd = cache_v.index_select(1, flat).view(self.num_kv_heads, bd, length, self.head_dim)
         return self._attend(q.unsqueeze(1), kd, vd, mask, self.scaling).squeeze(1)
+
+
+def _norm_eps(module) -> float | None:
+    return getattr(module, "variance_epsilon", getattr(module, "eps", None))

@@ -1,0 +1,194 @@
+/* Fused CPU kernels for the decode step: residual add + RMSNorm, rotary embedding with
+ * the KV-cache write, paged attention, and SiLU(gate) * up.
+ *
+ * Each runs over the rows of a step in one call, so a layer is a handful of calls
+ * instead of ~45 ATen ops from Python. Every row is computed on its own with a fixed
+ * order of operations (reductions in 16 fixed lanes, explicit fmaf, built with
+ * -ffp-contract=off), so a row's result does not depend on what else is in the batch,
+ * on where in the batch it sits, or on how gcc vectorised a loop. All arithmetic is in
+ * float32; bfloat16 values are rounded to nearest even once, on store.
+ *
+ * The KV pool of one layer is [2][kv_heads][slots][head_dim] (see runner.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+typedef uint16_t bf16;
+
+static inline float bf16_load(const bf16 *p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void bf16_store(bf16 *p, float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { /* NaN stays NaN */
+        *p = (bf16)((u >> 16) | 0x40u);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *p = (bf16)(u >> 16);
+}
+
+static inline float f32_load(const float *p) { return *p; }
+static inline void f32_store(float *p, float f) { *p = f; }
+
+/* exp(x) to about 2 ulp: 2^n * p(r) with r = x - n ln2, a degree-6 polynomial. Written
+ * so that gcc vectorises it (no errno, no table), and the same on every call. */
+static inline float exp_f32(float x) {
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693145751953125f, x);
+    r = fmaf(n, -1.428606765330187045e-06f, r);
+    float p = 1.0f / 720.0f;
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float lanes_sum(const float *acc) {
+    float s8[8], s4[4];
+    for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+#define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE)                                                    \
+                                                                                                  \
+/* h += delta (when delta is given, rounded to T), then out = rmsnorm(h) * weight. */            \
+void add_rms_norm_##SUFFIX(T *h, const T *delta, T *out, const float *weight, int64_t rows,      \
+                           int64_t dim, float eps) {                                              \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        T *x = h + r * dim;                                                                       \
+        if (delta) {                                                                              \
+            const T *d = delta + r * dim;                                                         \
+            for (int64_t i = 0; i < dim; i++) STORE(x + i, LOAD(x + i) + LOAD(d + i));            \
+        }                                                                                         \
+        if (!out) continue;                                                                       \
+        float acc[LANES] = {0};                                                                   \
+        int64_t i = 0;                                                                            \
+        for (; i + LANES <= dim; i += LANES)                                                      \
+            for (int l = 0; l < LANES; l++) {                                                     \
+                float v = LOAD(x + i + l);                                                        \
+                acc[l] = fmaf(v, v, acc[l]);                                                      \
+            }                                                                                     \
+        for (int l = 0; i < dim; i++, l++) {                                                      \
+            float v = LOAD(x + i);                                                                \
+            acc[l] = fmaf(v, v, acc[l]);                                                          \
+        }                                                                                         \
+        float inv = 1.0f / sqrtf(lanes_sum(acc) / (float)dim + eps);                              \
+        T *o = out + r * dim;                                                                     \
+        for (int64_t j = 0; j < dim; j++) STORE(o + j, (LOAD(x + j) * inv) * weight[j]);         \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+/* Rotate q and k of each row of qkv [rows][(heads + 2 kv_heads) * d] at its position;          \
+ * q goes to q_out [rows][heads][d], k and v to the cache at the row's slot. cos and           \
+ * sin_signed are [positions][d] (sin with its first half negated). */                           \
+void rope_store_kv_##SUFFIX(const T *qkv, int64_t rows, const int64_t *positions,                \
+                            const float *cos, const float *sin_signed, int64_t heads,            \
+                            int64_t kv_heads, int64_t d, T *q_out, T *cache,                      \
+                            const int64_t *slots, int64_t num_slots) {                            \
+    const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;                               \
+    const int64_t head_stride = num_slots * d, kv_stride = kv_heads * head_stride;                \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        const T *src = qkv + r * width;                                                           \
+        const float *c = cos + positions[r] * d, *s = sin_signed + positions[r] * d;              \
+        for (int64_t hh = 0; hh < heads + kv_heads; hh++) {                                       \
+            const T *x = src + hh * d;                                                            \
+            T *dst = hh < heads ? q_out + (r * heads + hh) * d                                    \
+                                : cache + (hh - heads) * head_stride + slots[r] * d;              \
+            for (int64_t j = 0; j < d; j++) {                                                     \
+                float swapped = LOAD(x + (j < half ? j + half : j - half));                       \
+                STORE(dst + j, fmaf(LOAD(x + j), c[j], swapped * s[j]));                          \
+            }                                                                                     \
+        }                                                                                         \
+        const T *v = src + (heads + kv_heads) * d;                                                \
+        for (int64_t kh = 0; kh < kv_heads; kh++)                                                 \
+            memcpy(cache + kv_stride + kh * head_stride + slots[r] * d, v + kh * d,               \
+                   (size_t)d * sizeof(T));                                                        \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+/* Attention of query rows over paged contexts. Query i is token row rows[i] of q               \
+ * [*, heads, d]; it attends the first lens[i] slots of row ctx[i] of ctx_slots                   \
+ * [*, ctx_width]; its result goes to the same row of out [*, heads, d]. ctx may be NULL         \
+ * (query i uses context row i). scratch holds group * max(lens) floats. */                      \
+void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *rows,           \
+                              const int64_t *ctx, const int64_t *lens, const int64_t *ctx_slots, \
+                              int64_t ctx_width, int64_t n, int64_t heads, int64_t kv_heads,     \
+                              int64_t d, int64_t num_slots, float scale, float *scratch) {       \
+    const int64_t group = heads / kv_heads;                                                       \
+    const int64_t head_stride = num_slots * d, kv_stride = kv_heads * head_stride;                \
+    float acc[LANES];                                                                             \
+    float *o = scratch;                                                                           \
+    for (int64_t i = 0; i < n; i++) {                                                             \
+        const int64_t row = rows[i], len = lens[i];                                               \
+        const int64_t *slot = ctx_slots + (ctx ? ctx[i] : i) * ctx_width;                         \
+        float *scores = scratch + group * d;                                                      \
+        for (int64_t kh = 0; kh < kv_heads; kh++) {                                               \
+            const T *kbase = cache + kh * head_stride, *vbase = cache + kv_stride + kh * head_stride; \
+            for (int64_t g = 0; g < group; g++) {                                                 \
+                const T *qh = q + (row * heads + kh * group + g) * d;                             \
+                float *sc = scores + g * len, best = -INFINITY;                                   \
+                for (int64_t j = 0; j < len; j++) {                                               \
+                    const T *k = kbase + slot[j] * d;                                             \
+                    for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                \
+                    int64_t e = 0;                                                                \
+                    for (; e + LANES <= d; e += LANES)                                            \
+                        for (int l = 0; l < LANES; l++)                                           \
+                            acc[l] = fmaf(LOAD(qh + e + l), LOAD(k + e + l), acc[l]);             \
+                    for (int l = 0; e < d; e++, l++) acc[l] = fmaf(LOAD(qh + e), LOAD(k + e), acc[l]); \
+                    sc[j] = lanes_sum(acc) * scale;                                               \
+                    best = fmaxf(best, sc[j]);                                                    \
+                }                                                                                 \
+                float total = 0.0f;                                                               \
+                for (int64_t j = 0; j < len; j++) {                                               \
+                    sc[j] = exp_f32(sc[j] - best);                                                \
+                    total += sc[j];                                                               \
+                }                                                                                 \
+                float *og = o + g * d;                                                            \
+                for (int64_t e = 0; e < d; e++) og[e] = 0.0f;                                     \
+                for (int64_t j = 0; j < len; j++) {                                               \
+                    const T *v = vbase + slot[j] * d;                                             \
+                    const float p = sc[j];                                                        \
+                    for (int64_t e = 0; e < d; e++) og[e] = fmaf(p, LOAD(v + e), og[e]);          \
+                }                                                                                 \
+                T *dst = out + (row * heads + kh * group + g) * d;                                \
+                const float inv = 1.0f / total;                                                   \
+                for (int64_t e = 0; e < d; e++) STORE(dst + e, og[e] * inv);                      \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+/* out [rows][inter] = silu(gate) * up, with x [rows][2 * inter] = gate | up. */                  \
+void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {                        \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        const T *gate = x + r * 2 * inter, *up = gate + inter;                                    \
+        T *o = out + r * inter;                                                                   \
+        for (int64_t j = 0; j < inter; j++) {                                                     \
+            float g = LOAD(gate + j);                                                             \
+            STORE(o + j, (g / (1.0f + exp_f32(-g))) * LOAD(up + j));                              \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store)
+DEFINE_KERNELS(f32, float, f32_load, f32_store)
+
+int cpu_ops_abi_version(void) { return 1; }

@@ -1,0 +1,246 @@
+"""The fused CPU kernels (llm_engine/cpu_ops.py) against torch references, their batch
+invariance, the runner's fused forward against its torch path, and the fallback when
+no compiler is found."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from llm_engine import cpu_ops
+from llm_engine.batch import build_step_input
+from llm_engine.runner import ModelRunner, rotate
+from llm_engine.scheduler import Plan, Scheduled
+
+DTYPES = [torch.float32, torch.bfloat16]
+# bf16 results are rounded once from float32 here, and in several steps by torch
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def ops_for(dtype):
+    ops = cpu_ops.load(dtype)
+    if ops is None:
+        pytest.skip("no C compiler on this machine")
+    return ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [576, 70])  # 70: a tail shorter than a vector of lanes
+def test_add_rms_norm_matches_torch(dtype, dim):
+    ops = ops_for(dtype)
+    torch.manual_seed(dim)
+    h, delta = torch.randn(5, dim, dtype=dtype), torch.randn(5, dim, dtype=dtype)
+    weight = torch.rand(dim) + 0.5
+    want_h = (h.float() + delta.float()).to(dtype)
+    want = F.rms_norm(want_h.float(), (dim,), weight, 1e-5).to(dtype)
+    out = torch.empty_like(h)
+    ops.add_rms_norm(h, delta, out, weight, 1e-5)
+    assert torch.equal(h, want_h)  # the residual add rounds once, as torch's does
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    ops.add_rms_norm(h, None, out, weight, 1e-5)  # no delta: norm only, h unchanged
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv_matches_rotate_and_writes_the_cache_at_each_slot(dtype):
+    ops = ops_for(dtype)
+    torch.manual_seed(0)
+    t, heads, kv_heads, d, slots_n = 4, 6, 2, 16, 40
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, dtype=dtype)
+    positions = torch.tensor([0, 7, 3, 19])
+    slots = torch.tensor([5, 11, 0, 38])
+    angles = torch.randn(32, d)
+    cos, sin = angles.cos(), angles.sin()
+    sin_signed = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
+    cache = torch.zeros(2, kv_heads, slots_n, d, dtype=dtype)
+    q = torch.empty(t, heads, d, dtype=dtype)
+    ops.rope_store_kv(qkv, positions, cos, sin_signed, heads, kv_heads, q, cache, slots)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d).float()
+    want = rotate(qk, cos[positions][:, None], sin_signed[positions][:, None])
+    torch.testing.assert_close(q, want[:, :heads].to(dtype), **TOL[dtype])
+    torch.testing.assert_close(cache[0][:, slots].transpose(0, 1), want[:, heads:].to(dtype), **TOL[dtype])
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    assert torch.equal(cache[1][:, slots].transpose(0, 1), v)  # v is copied as it is
+    untouched = torch.ones(slots_n, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[:, :, untouched].any()
+
+
+def _attention_case(dtype, lens, seed=0, heads=9, kv_heads=3, d=64, slots_n=300):
+    torch.manual_seed(seed)
+    cache = torch.randn(2, kv_heads, slots_n, d, dtype=dtype)
+    width = max(lens) + 3  # wider than any context: the kernel reads only the first len slots
+    ctx = torch.stack([torch.randperm(slots_n)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, d, dtype=dtype)
+    return q, cache, ctx, torch.tensor(lens)
+
+
+def _reference_attention(q, cache, ctx, lens, scale):
+    outs = []
+    for i, n in enumerate(lens.tolist()):
+        k = cache[0][:, ctx[i, :n]].float()  # [KV, n, D]
+        v = cache[1][:, ctx[i, :n]].float()
+        o = F.scaled_dot_product_attention(q[i].float()[:, None], k, v, scale=scale, enable_gqa=True)
+        outs.append(o[:, 0])
+    return torch.stack(outs).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_matches_sdpa_over_the_gathered_context(dtype):
+    ops = ops_for(dtype)
+    lens = [1, 17, 130, 64]
+    q, cache, ctx, lens_t = _attention_case(dtype, lens)
+    out = torch.zeros_like(q)
+    scratch = torch.empty(3 * (64 + max(lens)))
+    ops.paged_attention(q, cache, out, torch.arange(len(lens)), None, lens_t, ctx, 0.125, scratch)
+    torch.testing.assert_close(out, _reference_attention(q, cache, ctx, lens_t, 0.125), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_rows_and_shared_contexts(dtype):
+    """Prefill queries: several rows share one context row, each attending its own prefix;
+    rows not named are left alone."""
+    ops = ops_for(dtype)
+    q, cache, ctx, _ = _attention_case(dtype, [40, 40])
+    rows, which, lens = torch.tensor([4, 1, 2]), torch.tensor([1, 0, 1]), torch.tensor([3, 40, 12])
+    qs = torch.randn(6, 9, 64, dtype=dtype)
+    out = torch.full_like(qs, 7.0)
+    ops.paged_attention(qs, cache, out, rows, which, lens, ctx, 0.125, torch.empty(3 * (64 + 40)))
+    want = _reference_attention(qs[rows], cache, ctx[which], lens, 0.125)
+    torch.testing.assert_close(out[rows], want, **TOL[dtype])
+    assert (out[[0, 3, 5]] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_gives_a_row_the_same_bits_alone_and_anywhere_in_a_batch(dtype):
+    """Seeded sampling needs a row's numbers not to depend on what shares its step."""
+    ops = ops_for(dtype)
+    lens = [33, 5, 120, 77, 2, 64, 9, 100]
+    q, cache, ctx, lens_t = _attention_case(dtype, lens, seed=3)
+    scratch = torch.empty(3 * (64 + 120))
+    together = torch.empty_like(q)
+    ops.paged_attention(q, cache, together, torch.arange(8), None, lens_t, ctx, 0.125, scratch)
+    for i in (0, 2, 7):
+        alone = torch.empty_like(q[:1])
+        ops.paged_attention(q[i : i + 1].contiguous(), cache, alone, torch.tensor([0]), None, lens_t[i : i + 1],
+                            ctx[i : i + 1].contiguous(), 0.125, scratch)
+        assert torch.equal(alone[0], together[i])
+    h, weight = torch.randn(8, 576, dtype=dtype), torch.rand(576)
+    x = torch.randn(8, 2 * 1536, dtype=dtype)
+    normed, act = torch.empty_like(h), torch.empty(8, 1536, dtype=dtype)
+    ops.add_rms_norm(h.clone(), None, normed, weight, 1e-5)
+    ops.silu_mul(x, act)
+    for i in (0, 5):
+        one, one_act = torch.empty_like(h[:1]), torch.empty_like(act[:1])
+        ops.add_rms_norm(h[i : i + 1].clone(), None, one, weight, 1e-5)
+        ops.silu_mul(x[i : i + 1].contiguous(), one_act)
+        assert torch.equal(one[0], normed[i]) and torch.equal(one_act[0], act[i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    ops = ops_for(dtype)
+    torch.manual_seed(1)
+    x = torch.randn(3, 2 * 100, dtype=dtype) * 6  # into exp's tails on both sides
+    x[0, 0], x[0, 1], x[0, 100] = -120.0, 95.0, 2.0
+    out = torch.empty(3, 100, dtype=dtype)
+    ops.silu_mul(x, out)
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out, (F.silu(gate) * up).to(dtype), **TOL[dtype])
+    assert torch.isfinite(out).all()
+
+
+def _tiny_runner(dtype, fused):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    return ModelRunner(model, torch.device("cpu"), dtype, num_blocks=128, block_size=8, max_positions=512,
+                       fused_kernels=fused)
+
+
+def _sequence(ids, computed, prompt_len, blocks):
+    return types.SimpleNamespace(token_ids=ids, num_computed=computed, prompt_len=prompt_len,
+                                 table=types.SimpleNamespace(blocks=list(blocks)))
+
+
+def _run(runner, seqs):
+    plan = Plan([Scheduled(s, len(s.token_ids) - s.num_computed) for s in seqs], [])
+    step, _ = build_step_input(plan, 8, torch.device("cpu"), runner.dummy_slot)
+    return step, runner.forward(step)
+
+
+def test_the_fused_forward_matches_the_torch_path_on_a_mixed_step():
+    """One step with two decodes, a short prompt, a long prompt (SDPA) and a later chunk
+    of a long prompt: logits and the KV cache agree with the torch path (float32)."""
+    if cpu_ops.load(torch.float32) is None:
+        pytest.skip("no C compiler on this machine")
+    runners = [_tiny_runner(torch.float32, fused) for fused in (True, False)]
+    assert runners[0].ops is not None and runners[1].ops is None
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(0, 300, (n,), generator=g).tolist()  # noqa: E731
+    a, b, e = ids(40), ids(150), ids(200)  # already in the cache: two decodes and a chunked prompt
+    tables = dict(a=range(0, 6), b=range(6, 26), c=range(26, 28), d=range(28, 46), e=range(46, 75))
+    for runner in runners:  # the same cache to start from, filled by the torch path
+        ops, runner.ops = runner.ops, None
+        _run(runner, [_sequence(a, 0, 40, tables["a"]), _sequence(b, 0, 150, tables["b"]),
+                      _sequence(e, 0, 230, tables["e"])])
+        runner.ops = ops
+    new_a, new_b, c, d, more_e = ids(1), ids(1), ids(12), ids(140), ids(30)
+    results = []
+    for runner in runners:
+        step, logits = _run(runner, [
+            _sequence(a + new_a, 40, 40, tables["a"]),  # decode at position 40
+            _sequence(b + new_b, 150, 150, tables["b"]),  # decode at position 150
+            _sequence(c, 0, 12, tables["c"]),  # a short prompt
+            _sequence(d, 0, 140, tables["d"]),  # a long prompt in one chunk
+            _sequence(e + more_e, 200, 230, tables["e"]),  # the last chunk of a long prompt
+        ])
+        assert step.decode_rows.numel() == 2 and step.short_prefills is not None and len(step.prefills) == 2
+        results.append((logits, runner.kv.clone()))
+    (fused, kv_fused), (plain, kv_plain) = results
+    assert fused.shape == (5, 300)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_fused, kv_plain, rtol=1e-5, atol=1e-5)
+
+
+def test_no_compiler_means_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(cpu_ops.shutil, "which", lambda name: None)
+    monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_ops, "_library", None)
+    assert cpu_ops.load(torch.float32) is None
+    assert _tiny_runner(torch.float32, fused=True).ops is None
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+def test_a_failing_build_means_the_torch_path_and_leaves_no_file(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_ops, "SOURCE", bad)
+    monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_ops, "_library", None)
+    if cpu_ops._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    assert cpu_ops.build_library() is None
+    assert cpu_ops.load(torch.float32) is None
+    assert not list((tmp_path / "cache" / "kernels").iterdir())
+
+
+def test_the_library_is_built_once_and_then_reused(monkeypatch, tmp_path):
+    if cpu_ops._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path))
+    first = cpu_ops.build_library()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_ops.build_library() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
+
+
+def test_float16_and_other_architectures_keep_the_torch_path():
+    assert cpu_ops.load(torch.float16) is None
