@@ -110,3 +110,50 @@ def test_rotate_is_bit_identical_to_the_rotate_half_form(dtype):
     ref = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     sin_signed = torch.cat([-sin[..., : d // 2], sin[..., d // 2 :]], -1)
     assert torch.equal(rotate(x, cos, sin_signed), ref)
+
+
+@pytest.mark.parametrize("for_batches,for_one_row", [(False, False), (True, False), (True, True)])
+def test_fp32_linear_gives_f_linear_results_with_each_kernel_choice(for_batches, for_one_row):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    torch.manual_seed(3)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = make_linear(w, b)
+    assert isinstance(lin, linear.Fp32Linear) and lin.packed is not None
+    lin.use(for_batches, for_one_row)
+    for rows in (1, 2, 17):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert (lin.packed is None) == (not for_batches and not for_one_row)  # copies no kernel uses are dropped
+    assert (lin.weight is None) == (for_batches and for_one_row)
+
+
+@pytest.mark.parametrize("plain_one_row_cost,expect_one_row", [(1, "plain"), (2, "prepacked")])
+def test_choose_fp32_kernels_follows_the_measured_times(monkeypatch, plain_one_row_cost, expect_one_row):
+    """Prepacked twice as fast on batches: it serves them; single rows get whichever is
+    faster, and a weight form that no kernel uses is dropped."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    clock = {"t": 0.0}
+    costs = {("plain", 8): 2.0, ("prepacked", 8): 1.0, ("plain", 1): plain_one_row_cost, ("prepacked", 1): 1.5}
+    real = {k: getattr(linear.Fp32Linear, k) for k in ("plain", "prepacked")}
+
+    def costed(kind):
+        def kernel(self, x):
+            clock["t"] += costs[kind, x.shape[0]]
+            return real[kind](self, x)
+        kernel.__name__ = kind
+        return kernel
+
+    monkeypatch.setattr(linear.time, "perf_counter", lambda: clock["t"])
+    for kind in real:
+        monkeypatch.setattr(linear.Fp32Linear, kind, costed(kind))
+    ws = [torch.randn(128, 64) for _ in range(3)]
+    layers = [make_linear(w) for w in ws]
+    linear.choose_fp32_kernels(layers, batch_rows=8)
+    for lin, w in zip(layers, ws):
+        assert lin.for_batches.__name__ == "prepacked" and lin.for_one_row.__name__ == expect_one_row
+        assert (lin.weight is None) == (expect_one_row == "prepacked")
+        for rows in (1, 8):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -18,11 +18,19 @@ the reduction split along K into chunks, summed in float32 in a fixed order (the
 split down projection cost ~4 ms of a ~75 ms step at 32 rows). float32 kernels differ
 between batch sizes too (MKL), but only in the last bits of float32, which rarely
 changes a sampled token; they are used as they are.
+
+float32 on CPU. Whether oneDNN's prepacked kernel beats ``F.linear`` (MKL) depends on the
+CPU: on a 2-core AVX2 EPYC (no AVX-512) 120 layer matmuls at 8 rows took 71 ms prepacked
+against 120 ms, at 32 rows 217 against 272, but at one row 45 against 35. So the runner
+times the model's float32 matmuls once at load (:func:`choose_fp32_kernels`): the
+prepacked kernel serves batches where it is faster, and the plain weight is kept for
+single rows only where it is faster there.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -34,6 +42,7 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 PROBE_ROWS = 64
 PAD_ONE_ROW = 0  # in _strategy_for_shape: pad single rows to two, no K split
 _strategy_for_shape: dict[tuple, int] = {}  # (N, K, dtype, device type) -> K chunks, or PAD_ONE_ROW
+FP32_GAIN = 1.1  # a float32 kernel is chosen over the other only when this much faster
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -46,7 +55,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linea
     on CPU at reduced precision."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
-    if weight.device.type != "cpu" or weight.dtype == torch.float32:
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return Fp32Linear(weight, bias)
+    if weight.device.type != "cpu":
         return _kernel(weight, bias)
     key = (*weight.shape, weight.dtype, weight.device.type)
     if key not in _strategy_for_shape:
@@ -70,6 +81,71 @@ def _kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         except RuntimeError as exc:  # an oneDNN build without the op: plain matmul
             log.warning("weight prepacking unavailable (%s); using plain linear", exc)
     return lambda x: F.linear(x, weight, bias)
+
+
+class Fp32Linear:
+    """float32 on CPU: ``F.linear`` or oneDNN's prepacked kernel, for batches and for single
+    rows, as :func:`choose_fp32_kernels` measured; plain until then."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+        self.packed = None
+        if torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            except RuntimeError as exc:
+                log.info("float32 prepacking unavailable (%s)", exc)
+        self.for_batches = self.for_one_row = self.plain
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def prepacked(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.for_one_row(x) if x.shape[0] == 1 else self.for_batches(x)
+
+    def use(self, prepacked_for_batches: bool, prepacked_for_one_row: bool) -> None:
+        """Set the kernels and drop the weight copy neither uses."""
+        self.for_batches = self.prepacked if prepacked_for_batches else self.plain
+        self.for_one_row = self.prepacked if prepacked_for_one_row else self.plain
+        if not (prepacked_for_batches or prepacked_for_one_row):
+            self.packed = None
+        if prepacked_for_batches and prepacked_for_one_row:
+            self.weight = None
+
+
+def choose_fp32_kernels(linears: list[Linear], batch_rows: int = 16) -> None:
+    """Time a model's float32 matmuls as a forward runs them (each weight read from memory
+    once per pass), plain and prepacked, at ``batch_rows`` rows and at one row; give each
+    :class:`Fp32Linear` the faster kernel for each (by :data:`FP32_GAIN`). Keeping both
+    costs a second copy of the weights, logged."""
+    layers = [lin for lin in linears if isinstance(lin, Fp32Linear) and lin.packed is not None]
+    if not layers:
+        return
+    best: dict[tuple[str, int], float] = {}
+    with torch.inference_mode():
+        for rows in (batch_rows, 1):
+            xs = [torch.randn(rows, lin.weight.shape[1]) for lin in layers]
+            for rnd in range(4):  # a warm round, then best of three, interleaved
+                for kind in ("plain", "prepacked"):
+                    t0 = time.perf_counter()
+                    for lin, x in zip(layers, xs):
+                        getattr(lin, kind)(x)
+                    if rnd:
+                        best[kind, rows] = min(best.get((kind, rows), float("inf")), time.perf_counter() - t0)
+    for_batches = best["plain", batch_rows] > FP32_GAIN * best["prepacked", batch_rows]
+    for_one_row = for_batches and best["plain", 1] * FP32_GAIN >= best["prepacked", 1]
+    for lin in layers:
+        lin.use(for_batches, for_one_row)
+    both = for_batches and not for_one_row
+    extra = sum(lin.weight.numel() * 4 for lin in layers) / 2**20 if both else 0.0
+    log.info("float32 matmuls, %d of them: plain %.1f / %.1f ms, prepacked %.1f / %.1f ms at %d / 1 rows -> "
+             "%s for batches, %s for single rows%s", len(layers), best["plain", batch_rows] * 1e3,
+             best["plain", 1] * 1e3, best["prepacked", batch_rows] * 1e3, best["prepacked", 1] * 1e3, batch_rows,
+             "prepacked" if for_batches else "plain", "prepacked" if for_one_row else "plain",
+             f" (both weight forms kept: {extra:.0f} MiB of plain weights)" if both else "")
 
 
 def _padded(kernel: Linear) -> Linear:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ops
-from .linear import Linear, make_linear
+from .linear import Linear, choose_fp32_kernels, make_linear
 
 log = logging.getLogger(__name__)
 # RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * weight, which F.rms_norm fuses.
@@ -168,6 +168,7 @@ class ModelRunner:
         self.lm_head = make_linear(head.weight, head.bias)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        choose_fp32_kernels([*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head])
         self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
         self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = self._norm(self.inner.norm)
