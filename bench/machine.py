@@ -85,14 +85,24 @@ def memory_read_gbs(mib: int = 512, repeats: int = 8) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def native_bf16() -> bool:
+    """Does this CPU run bf16 matmuls natively (oneDNN's check: AVX512_BF16 or AMX)?
+    Without it torch emulates them, 20-100x slower than fp32."""
+    import torch
+
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def measure(quick: bool = False) -> MachineInfo:
     import torch
 
     min_time = 0.3 if quick else 1.0
+    # emulated bf16 at 2048^3 takes minutes a call; a 512^3 reading says as much about it
+    bf16_n = 2048 if native_bf16() else 512
     info = MachineInfo(
         cpu_model=cpu_model(), cores=os.cpu_count() or 1, torch_threads=torch.get_num_threads(),
         fp32_gflops=matmul_gflops("float32", min_time=min_time),
-        bf16_gflops=matmul_gflops("bfloat16", min_time=min_time),
+        bf16_gflops=matmul_gflops("bfloat16", n=bf16_n, min_time=min_time),
         mem_read_gbs=memory_read_gbs(256 if quick else 512),
     )
     log.info("machine: %s, %d cores; matmul fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s; memory read %.1f GB/s",

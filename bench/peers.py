@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
+from bench.machine import native_bf16
 from bench.stats import RunResult, StreamTrace, from_traces
 from bench.workload import Workload, make_prompts
 
@@ -230,6 +231,11 @@ def run_peers(workload: Workload) -> tuple[list[RunResult], int]:
             ("llama-cpp-python", lambda: run_llama_cpp(workload)),
         ]
     for name, step in steps:
+        if name.endswith("bf16") and not native_bf16():
+            log.info("peer %s skipped: this CPU has no native bf16 (dtype auto runs float32 here)", name)
+            results.append(RunResult(system=name, concurrency=0,
+                                     note="skipped: no native bf16 on this CPU (emulated, minutes a run)"))
+            continue
         log.info("peer: %s", name)
         try:
             res = step()

@@ -98,7 +98,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class CpuOps:
     """The kernels of one dtype; tensors must be contiguous and on the CPU."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype):
+    def __init__(self, lib: ctypes.PyDLL, dtype: torch.dtype):
         suffix = _SUFFIX[dtype]
         self.dtype = dtype
         for name, argtypes in _SIGNATURES.items():
@@ -136,7 +136,7 @@ class CpuOps:
         self._silu_mul(x.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])
 
 
-_library: ctypes.CDLL | None = None
+_library: ctypes.PyDLL | None = None
 
 
 def load(dtype: torch.dtype) -> CpuOps | None:
@@ -148,7 +148,9 @@ def load(dtype: torch.dtype) -> CpuOps | None:
         path = build_library()
         if path is None:
             return None
-        lib = ctypes.CDLL(str(path))
+        # PyDLL: the calls keep the GIL, as torch's ops do. A CDLL call releases and retakes it,
+        # and each of a step's ~150 calls could then wait for the stub's sender thread.
+        lib = ctypes.PyDLL(str(path))
         lib.cpu_ops_abi_version.restype = ctypes.c_int
         if lib.cpu_ops_abi_version() != ABI_VERSION:
             log.warning("fused CPU kernels at %s have another ABI; the torch path is used", path)
