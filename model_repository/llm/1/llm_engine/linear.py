@@ -55,10 +55,10 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linea
     on CPU at reduced precision."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
-        return Fp32Linear(weight, bias)
     if weight.device.type != "cpu":
         return _kernel(weight, bias)
+    if weight.dtype == torch.float32:
+        return Fp32Linear(weight, bias)
     key = (*weight.shape, weight.dtype, weight.device.type)
     if key not in _strategy_for_shape:
         _strategy_for_shape[key] = _invariant_strategy(weight)

@@ -202,7 +202,7 @@ class ModelRunner:
     @staticmethod
     def _norm(module):
         """The fused ``F.rms_norm`` for the standard RMSNorm classes; the module itself otherwise."""
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        eps = _norm_eps(module)
         if type(module).__name__ in FUSABLE_NORMS and eps is not None and module.weight.dtype != torch.float32:
             shape, weight = (module.weight.shape[0],), module.weight.detach().float()
             return lambda x: F.rms_norm(x.float(), shape, weight, eps).to(x.dtype)
@@ -280,19 +280,22 @@ class ModelRunner:
             self.ops.paged_attention(q, cache, out, pb.q_rows, pb.q_seq, pb.q_lens, pb.kv_slots.view(p, lk),
                                      self.scaling, scratch)
         for start, n, ctx_len, ctx_slots in step.prefills:
-            whole = ctx_slots is None  # the whole context is in this chunk
-            slots = step.slots[start : start + n] if whole else ctx_slots
+            slots = step.slots[start : start + n] if ctx_slots is None else ctx_slots
             kp = cache[0].index_select(1, slots).unsqueeze(1)  # [KV, 1, ctx, D]
             vp = cache[1].index_select(1, slots).unsqueeze(1)
-            if whole:
-                op = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1).unsqueeze(0),
-                                                    kp.transpose(0, 1), vp.transpose(0, 1), is_causal=True,
-                                                    scale=self.scaling, enable_gqa=True)[0].transpose(0, 1)
-            else:
-                rows = torch.arange(n)[:, None] + (ctx_len - n)
-                allowed = torch.arange(ctx_len)[None, :] <= rows
-                op = sdpa_attention(q[start : start + n].unsqueeze(0), kp, vp, allowed, self.scaling)[0]
-            out[start : start + n] = op
+            out[start : start + n] = self._chunk_attention(q[start : start + n], kp, vp, ctx_len)
+
+    def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
+        """A long prompt's chunk through SDPA: queries ``q [n, H, D]`` (the last ``n`` of
+        ``ctx_len`` positions) over ``k, v [KV, 1, ctx_len, D]``; returns ``[n, H, D]``."""
+        n = q.shape[0]
+        if n == ctx_len:  # the whole context is in this chunk
+            op = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1), v.transpose(0, 1),
+                                                is_causal=True, scale=self.scaling, enable_gqa=True)
+            return op[0].transpose(0, 1)
+        rows = torch.arange(n, device=q.device)[:, None] + (ctx_len - n)
+        allowed = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+        return sdpa_attention(q.unsqueeze(0), k, v, allowed, self.scaling)[0]
 
     def _step_masks(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The decode and short-prefill masks in the form the attention kernel takes, once per step."""
@@ -335,19 +338,12 @@ class ModelRunner:
             out[pb.q_rows] = op.reshape(p * lq, heads, d)[pb.q_valid]
         for start, n, ctx_len, ctx_slots in step.prefills:
             if ctx_slots is None:  # whole context is in this chunk
-                qp = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-                kp = k[start : start + n].transpose(0, 1).unsqueeze(0)
-                vp = v[start : start + n].transpose(0, 1).unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling,
-                                                    enable_gqa=True)
-                out[start : start + n] = op[0].transpose(0, 1)
+                kp = k[start : start + n].transpose(0, 1).unsqueeze(1)  # [KV, 1, n, D]
+                vp = v[start : start + n].transpose(0, 1).unsqueeze(1)
             else:  # a later chunk: attend over the context already in the cache
                 kp = cache_k.index_select(1, ctx_slots).unsqueeze(1)  # [KV, 1, ctx, D]
                 vp = cache_v.index_select(1, ctx_slots).unsqueeze(1)
-                rows = torch.arange(n, device=x.device)[:, None] + (ctx_len - n)
-                cols = torch.arange(ctx_len, device=x.device)[None, :]
-                op = sdpa_attention(q[start : start + n].unsqueeze(0), kp, vp, cols <= rows, self.scaling)
-                out[start : start + n] = op[0]
+            out[start : start + n] = self._chunk_attention(q[start : start + n], kp, vp, ctx_len)
         return self.o_proj[i](out.reshape(t, heads * d))
 
     def _decode(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, step: StepInput,
