@@ -29,7 +29,13 @@ from pathlib import Path
 import httpx
 from llm_engine.config import CONFIG_ENV, default_config_path, load_settings
 from llm_engine.contract import CANCEL_FLAG_DIR_PREFIX
-from llm_engine.cpu_cores import ENGINE_CPUS_ENV, CoreSplit, instance_count, plan_split
+from llm_engine.cpu_cores import (
+    ENGINE_CPUS_ENV,
+    CoreSplit,
+    fused_kernels_expected,
+    instance_count,
+    plan_split,
+)
 from llm_engine.weights import resolve_model_dir
 
 from adapter.tritonserver import (
@@ -89,7 +95,7 @@ def engine_cores(settings, model_repository: Path) -> CoreSplit | None:
     if mc.device in ("cuda", "npu") or (mc.device == "auto" and accelerator_present()):
         return None
     config = llm_config(model_repository / settings.triton.modelName, settings)
-    return plan_split(mc.cpuAffinity, mc.cpuThreads, instance_count(config))
+    return plan_split(mc.cpuAffinity, mc.cpuThreads, instance_count(config), fused_kernels_expected(mc.cpuKernels))
 
 
 def alive(pid: int) -> bool:

@@ -1,6 +1,8 @@
-"""With ``ModelConfig.cpuAffinity`` auto (the default) the engine thread has its cores to itself;
-tritonserver, the adapter and the stub's other threads run on the rest (llm_engine/cpu_cores.py).
-With off, nothing is pinned."""
+"""Where the engine's threads run (llm_engine/cpu_cores.py). With the fused CPU kernels the
+engine takes every core by default, unpinned. With fewer ``cpuThreads`` than cores and
+``ModelConfig.cpuAffinity`` auto (the default) the engine thread has its cores to itself;
+tritonserver, the adapter and the stub's other threads run on the rest. With off, nothing
+is pinned."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from llm_engine.cpu_cores import parse_cpus
+from llm_engine.cpu_cores import fused_kernels_expected, parse_cpus
 
 from tests.conftest import Stack, write_settings
 
@@ -30,20 +32,46 @@ def thread_cpus(pid: int) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def test_by_default_the_engine_thread_runs_alone_on_its_cores(stack):
-    if len(os.sched_getaffinity(0)) < 2:
+def _cores() -> int:
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
         pytest.skip("one CPU: nothing to split")
-    assert stack.settings.model.cpuAffinity == "auto"
-    _check_pinned(stack)
+    return cores
+
+
+def _stack_with(tmp_path, monkeypatch, offset: int, **model) -> Stack:
+    monkeypatch.setenv("MINDIE_TEST_PORT_BASE",
+                       str(int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000")) + offset))
+    path = write_settings(tmp_path)
+    data = json.loads(path.read_text())
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(model)
+    path.write_text(json.dumps(data))
+    return Stack(path)
+
+
+def test_by_default_the_fused_engine_runs_on_every_core(stack):
+    _cores()
+    if not fused_kernels_expected(stack.settings.model.cpuKernels):
+        pytest.skip("no C compiler: the torch path keeps a core free (tested in test_cpu_cores)")
+    assert stack.settings.model.cpuThreads == 0 and stack.settings.model.cpuAffinity == "auto"
+    assert stack.sup.cores is None
+    everything = tuple(sorted(os.sched_getaffinity(0)))
+    for pid in (stack.sup.triton.pid, stack.sup.adapter.pid, *stack.sup.stubs):
+        assert set(thread_cpus(pid).values()) == {everything}, pid
+
+
+def test_fewer_threads_than_cores_run_alone_on_their_cores(tmp_path, monkeypatch):
+    stack = _stack_with(tmp_path, monkeypatch, 800, cpuThreads=_cores() - 1)
+    try:
+        stack.start()
+        assert stack.settings.model.cpuAffinity == "auto"
+        _check_pinned(stack)
+    finally:
+        stack.stop()
 
 
 def test_with_affinity_off_nothing_is_pinned(tmp_path, monkeypatch):
-    monkeypatch.setenv("MINDIE_TEST_PORT_BASE", str(int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000")) + 800))
-    path = write_settings(tmp_path)
-    data = json.loads(path.read_text())
-    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["cpuAffinity"] = "off"
-    path.write_text(json.dumps(data))
-    stack = Stack(path)
+    stack = _stack_with(tmp_path, monkeypatch, 850, cpuThreads=_cores() - 1, cpuAffinity="off")
     try:
         stack.start()
         assert stack.sup.cores is None

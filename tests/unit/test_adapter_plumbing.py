@@ -154,6 +154,9 @@ def test_the_launcher_splits_by_the_models_instance_count(tmp_path, monkeypatch)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr("llm_engine.cpu_cores.cpu_quota", lambda: None)
     settings = _settings(tmp_path, "cpu", "auto")
+    monkeypatch.setattr("llm_engine.cpu_cores.shutil.which", lambda name: f"/usr/bin/{name}")
+    assert engine_cores(settings, ROOT / "model_repository") is None  # the fused kernels take every core
+    settings.model.cpuKernels = "off"  # the torch path leaves a core to the rest
     assert engine_cores(settings, ROOT / "model_repository") == CoreSplit(engine=(1, 2, 3), rest=(0,))
     repo = tmp_path / "repo"
     (repo / "llm").mkdir(parents=True)

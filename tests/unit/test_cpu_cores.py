@@ -10,6 +10,7 @@ from llm_engine.cpu_cores import (
     ENGINE_CPUS_ENV,
     CoreSplit,
     cpu_quota,
+    fused_kernels_expected,
     instance_count,
     parse_cpus,
     pin_current_thread,
@@ -64,6 +65,24 @@ def test_auto_pins_the_default_threads_to_the_last_cores(cpus):
     assert plan_split("auto", 2, 1) == CoreSplit(engine=(2, 3), rest=(0, 1))
 
 
+def test_with_the_fused_kernels_the_engine_takes_every_core_unpinned(cpus):
+    cpus(range(2))
+    assert select_cpu_threads(0, fused=True) == 2
+    assert select_cpu_threads(0, fused=False) == 1
+    assert plan_split("auto", 0, 1, fused=True) is None
+    assert plan_split("auto", 0, 1, fused=False) == CoreSplit(engine=(1,), rest=(0,))
+    assert select_cpu_threads(1, fused=True) == 1  # an explicit setting still wins
+    assert plan_split("auto", 1, 1, fused=True) == CoreSplit(engine=(1,), rest=(0,))
+
+
+def test_the_fused_kernels_are_expected_with_auto_and_a_compiler(monkeypatch):
+    monkeypatch.setattr("llm_engine.cpu_cores.shutil.which", lambda name: f"/usr/bin/{name}")
+    assert fused_kernels_expected("auto")
+    assert not fused_kernels_expected("off")
+    monkeypatch.setattr("llm_engine.cpu_cores.shutil.which", lambda name: None)
+    assert not fused_kernels_expected("auto")
+
+
 def test_off_several_instances_or_no_spare_core_pin_nothing(cpus):
     cpus(range(4))
     assert plan_split("off", 0, 1) is None
@@ -116,8 +135,10 @@ def test_a_container_cpu_limit_caps_the_default_threads(cpus, monkeypatch):
     monkeypatch.setattr("llm_engine.cpu_cores.cpu_quota", lambda: 3.5)  # limits: cpu: 3500m
     assert select_cpu_threads(0) == 3
     assert plan_split("auto", 0, 1) == CoreSplit(engine=(61, 62, 63), rest=tuple(range(61)))
+    assert select_cpu_threads(0, fused=True) == 4
     monkeypatch.setattr("llm_engine.cpu_cores.cpu_quota", lambda: 0.5)
     assert select_cpu_threads(0) == 1
+    assert select_cpu_threads(0, fused=True) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the environment still wins over the default
     assert select_cpu_threads(0) == 3
 

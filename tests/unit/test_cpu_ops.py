@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from llm_engine import cpu_ops
+from llm_engine import cpu_cores, cpu_ops
 from llm_engine.batch import build_step_input
 from llm_engine.runner import ModelRunner, rotate
 from llm_engine.scheduler import Plan, Scheduled
@@ -211,7 +211,7 @@ def test_the_fused_forward_matches_the_torch_path_on_a_mixed_step():
 
 def test_no_compiler_means_the_torch_path(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-compiler")
-    monkeypatch.setattr(cpu_ops.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_cores.shutil, "which", lambda name: None)
     monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_ops, "_library", None)
     assert cpu_ops.load(torch.float32) is None
@@ -225,7 +225,7 @@ def test_a_failing_build_means_the_torch_path_and_leaves_no_file(monkeypatch, tm
     monkeypatch.setattr(cpu_ops, "SOURCE", bad)
     monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_ops, "_library", None)
-    if cpu_ops._compiler() is None:
+    if cpu_cores.c_compiler() is None:
         pytest.skip("no C compiler on this machine")
     assert cpu_ops.build_library() is None
     assert cpu_ops.load(torch.float32) is None
@@ -233,7 +233,7 @@ def test_a_failing_build_means_the_torch_path_and_leaves_no_file(monkeypatch, tm
 
 
 def test_the_library_is_built_once_and_then_reused(monkeypatch, tmp_path):
-    if cpu_ops._compiler() is None:
+    if cpu_cores.c_compiler() is None:
         pytest.skip("no C compiler on this machine")
     monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path))
     first = cpu_ops.build_library()

@@ -68,10 +68,12 @@ class ModelSection(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
     cpuThreads: int = Field(
-        0, ge=0, description="torch threads on CPU; 0 = $OMP_NUM_THREADS if set, else cores - 1 "
-                     "(cores capped by the cgroup's CPU limit)")
+        0, ge=0, description="torch threads on CPU; 0 = $OMP_NUM_THREADS if set, else every core "
+                     "with the fused CPU kernels and cores - 1 on the torch path (cores capped by "
+                     "the cgroup's CPU limit)")
     cpuAffinity: Literal["auto", "off"] = Field(
-        "auto", description="auto (default): on CPU with one model instance, pin the engine's threads "
+        "auto", description="auto (default): on CPU with one model instance and fewer engine threads "
+                            "than cores, pin the engine's threads "
                             "to the last cpuThreads cores and tritonserver, the adapter and the stub's "
                             "other threads to the others (see llm_engine/cpu_cores.py); off: let the OS "
                             "place every thread")

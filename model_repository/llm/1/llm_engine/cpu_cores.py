@@ -1,12 +1,21 @@
 """Which CPU cores the engine's torch threads run on, and which are left to everything else.
 
-On CPU the engine runs ``cpuThreads`` torch threads (cores - 1 by default) and shares
-the machine with tritonserver, the adapter, the Python stub's other threads and often
-the clients. With ``ModelConfig.cpuAffinity`` ``auto`` (the default), the engine
-thread (and the intra-op threads it starts) is pinned to the last ``cpuThreads`` cores
-of the process's CPU set, and everything else to the cores before them. The engine then
-never waits in the run queue behind the rest of the stack. Measured on 2 cores at 32
-streams, ten alternating pairs: 301 tok/s pinned against 272 unpinned (means).
+On CPU the engine runs ``cpuThreads`` torch threads and shares the machine with
+tritonserver, the adapter, the Python stub's other threads and often the clients.
+
+- With the fused CPU kernels (``ModelConfig.cpuKernels`` ``auto`` and a C compiler), a
+  layer is four matmuls and five single-threaded kernel calls, so a step has few thread
+  barriers and the engine takes every core, unpinned. Measured through the whole stack
+  on a 2-core AVX2 EPYC, alternating stacks, float32: 2 threads against 1 pinned gave
+  98-99 against 72-73 tok/s at 32 streams, 61-67 against 44-48 at 8, and a p50 TTFT of
+  115-118 against 191-195 ms at 1 stream (an earlier session: 109-110 against 78-81).
+- On the torch path (~45 ATen ops per layer, each a barrier for a thread team), the
+  default is cores - 1. With ``ModelConfig.cpuAffinity`` ``auto`` (the default), the
+  engine thread (and the intra-op threads it starts) is pinned to the last
+  ``cpuThreads`` cores of the process's CPU set, and everything else to the cores
+  before them, so the engine never waits in the run queue behind the rest of the
+  stack. Measured on 2 cores at 32 streams, ten alternating pairs: 301 tok/s pinned
+  against 272 unpinned (means).
 
 The launcher applies the same split to tritonserver and the adapter and passes the
 engine's cores to the stub in ``$MINDIE_ENGINE_CPUS``. This module imports no torch, so
@@ -19,6 +28,7 @@ import logging
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,14 +103,27 @@ def _engine_cpus_from_env() -> tuple[int, ...]:
         return ()
 
 
-def select_cpu_threads(setting: int) -> int:
+def c_compiler() -> str | None:
+    """The C compiler the fused CPU kernels are built with (``$CC``, else ``cc``, else ``gcc``)."""
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+
+
+def fused_kernels_expected(cpu_kernels: str) -> bool:
+    """Whether the engine will run the fused CPU kernels: ``ModelConfig.cpuKernels`` and a compiler."""
+    return cpu_kernels == "auto" and c_compiler() is not None
+
+
+def select_cpu_threads(setting: int, fused: bool = False) -> int:
     """torch's intra-op threads on CPU: the setting, else ``$OMP_NUM_THREADS``, else one per
-    core of ``$MINDIE_ENGINE_CPUS``, else cores - 1 (cores: :func:`usable_cores`).
+    core of ``$MINDIE_ENGINE_CPUS``, else every core with the fused kernels (``fused``) and
+    cores - 1 without them (cores: :func:`usable_cores`).
 
     The engine shares the machine with tritonserver, the adapter and often the clients.
     When one of them takes a core in the middle of an op, a thread team spanning every
     core waits for it at each barrier (on 2 cores, a float32 softmax took 1.2-8 ms with
-    2 threads against 21 us with 1), so one core is left to them by default.
+    2 threads against 21 us with 1), so on the torch path, with its ~45 ops per layer, one
+    core is left to them. The fused path has a tenth of the barriers and gains more from
+    the extra core than it loses to them (see the module's docstring).
     """
     if setting:
         return setting
@@ -110,7 +133,7 @@ def select_cpu_threads(setting: int) -> int:
     given = _engine_cpus_from_env()
     if given:
         return len(given)
-    return max(1, usable_cores() - 1)
+    return usable_cores() if fused else max(1, usable_cores() - 1)
 
 
 def split_cores(threads: int, cpus: list[int]) -> CoreSplit | None:
@@ -129,7 +152,7 @@ def instance_count(model_config: dict) -> int:
     return sum(int(g.get("count", 1)) for g in groups)
 
 
-def plan_split(mode: str, threads_setting: int, instances: int = 1) -> CoreSplit | None:
+def plan_split(mode: str, threads_setting: int, instances: int = 1, fused: bool = False) -> CoreSplit | None:
     """The split for ``ModelConfig.cpuAffinity`` = ``mode``; ``None`` means pin nothing.
 
     Nothing is pinned when the mode is ``off``, or when several model instances would
@@ -143,7 +166,7 @@ def plan_split(mode: str, threads_setting: int, instances: int = 1) -> CoreSplit
     if given:
         rest = tuple(c for c in cpus if c not in given)
         return CoreSplit(given, rest) if rest else None
-    return split_cores(select_cpu_threads(threads_setting), cpus)
+    return split_cores(select_cpu_threads(threads_setting, fused), cpus)
 
 
 def pin_current_thread(cpus: tuple[int, ...], what: str) -> bool:

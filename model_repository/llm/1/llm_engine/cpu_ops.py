@@ -18,13 +18,13 @@ import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
+from .cpu_cores import c_compiler
 from .weights import cache_root
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,9 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-
-
 def build_library() -> Path | None:
     """The compiled library for this machine, built into the cache on first use; None if it can't be."""
-    cc = _compiler()
+    cc = c_compiler()
     if cc is None:
         log.warning("no C compiler found; the fused CPU kernels are off (the torch path is used)")
         return None

@@ -9,7 +9,7 @@ import torch
 
 from .admission import EngineLimits
 from .config import Settings
-from .cpu_cores import plan_split, select_cpu_threads
+from .cpu_cores import fused_kernels_expected, plan_split, select_cpu_threads
 from .device import select_device, select_dtype
 from .engine import Engine
 from .kv_cache import BlockManager
@@ -33,8 +33,9 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances
     device = select_device(mc.device, device_id)
     cores = None
     if device.type == "cpu":
-        torch.set_num_threads(select_cpu_threads(mc.cpuThreads))
-        cores = plan_split(mc.cpuAffinity, mc.cpuThreads, instances)
+        fused = fused_kernels_expected(mc.cpuKernels)
+        torch.set_num_threads(select_cpu_threads(mc.cpuThreads, fused))
+        cores = plan_split(mc.cpuAffinity, mc.cpuThreads, instances, fused)
     config = AutoConfig.from_pretrained(model_dir)
     dtype = select_dtype(mc.dtype, device, config.hidden_size, getattr(config, "intermediate_size", 1536))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
