@@ -5,6 +5,7 @@ no compiler is found."""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,8 +95,7 @@ def test_paged_attention_matches_sdpa_over_the_gathered_context(dtype):
     lens = [1, 17, 130, 64]
     q, cache, ctx, lens_t = _attention_case(dtype, lens)
     out = torch.zeros_like(q)
-    scratch = torch.empty(3 * (64 + max(lens)))
-    ops.paged_attention(q, cache, out, torch.arange(len(lens)), None, lens_t, ctx, 0.125, scratch)
+    ops.paged_attention(q, cache, out, torch.arange(len(lens)), None, lens_t, ctx, 0.125)
     torch.testing.assert_close(out, _reference_attention(q, cache, ctx, lens_t, 0.125), **TOL[dtype])
 
 
@@ -108,7 +108,7 @@ def test_paged_attention_rows_and_shared_contexts(dtype):
     rows, which, lens = torch.tensor([4, 1, 2]), torch.tensor([1, 0, 1]), torch.tensor([3, 40, 12])
     qs = torch.randn(6, 9, 64, dtype=dtype)
     out = torch.full_like(qs, 7.0)
-    ops.paged_attention(qs, cache, out, rows, which, lens, ctx, 0.125, torch.empty(3 * (64 + 40)))
+    ops.paged_attention(qs, cache, out, rows, which, lens, ctx, 0.125)
     want = _reference_attention(qs[rows], cache, ctx[which], lens, 0.125)
     torch.testing.assert_close(out[rows], want, **TOL[dtype])
     assert (out[[0, 3, 5]] == 7.0).all()
@@ -120,13 +120,12 @@ def test_every_kernel_gives_a_row_the_same_bits_alone_and_anywhere_in_a_batch(dt
     ops = ops_for(dtype)
     lens = [33, 5, 120, 77, 2, 64, 9, 100]
     q, cache, ctx, lens_t = _attention_case(dtype, lens, seed=3)
-    scratch = torch.empty(3 * (64 + 120))
     together = torch.empty_like(q)
-    ops.paged_attention(q, cache, together, torch.arange(8), None, lens_t, ctx, 0.125, scratch)
+    ops.paged_attention(q, cache, together, torch.arange(8), None, lens_t, ctx, 0.125)
     for i in (0, 2, 7):
         alone = torch.empty_like(q[:1])
         ops.paged_attention(q[i : i + 1].contiguous(), cache, alone, torch.tensor([0]), None, lens_t[i : i + 1],
-                            ctx[i : i + 1].contiguous(), 0.125, scratch)
+                            ctx[i : i + 1].contiguous(), 0.125)
         assert torch.equal(alone[0], together[i])
     h, weight = torch.randn(8, 576, dtype=dtype), torch.rand(576)
     x = torch.randn(8, 2 * 1536, dtype=dtype)
@@ -138,6 +137,45 @@ def test_every_kernel_gives_a_row_the_same_bits_alone_and_anywhere_in_a_batch(dt
         ops.add_rms_norm(h[i : i + 1].clone(), None, one, weight, 1e-5)
         ops.silu_mul(x[i : i + 1].contiguous(), one_act)
         assert torch.equal(one[0], normed[i]) and torch.equal(one_act[0], act[i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
+    """The rows of a big step are split over threads; each is still computed whole, in order."""
+    ops = ops_for(dtype)
+    lens = [33, 5, 120, 77, 2, 64, 9, 100] * 4
+    q, cache, ctx, lens_t = _attention_case(dtype, lens, seed=4)
+    torch.manual_seed(5)
+    h, delta, weight = torch.randn(64, 576, dtype=dtype), torch.randn(64, 576, dtype=dtype), torch.rand(576)
+    x = torch.randn(64, 2 * 1536, dtype=dtype)
+    qkv, positions = torch.randn(64, (9 + 2 * 3) * 64, dtype=dtype), torch.randint(0, 200, (64,))
+    cos, sin = torch.rand(200, 64), torch.rand(200, 64)
+    results = []
+    for threads in (1, 2, 3):
+        ops.set_threads(threads)
+        try:
+            attn = torch.empty_like(q)
+            ops.paged_attention(q, cache, attn, torch.arange(len(lens)), None, lens_t, ctx, 0.125)
+            hh, normed, act = h.clone(), torch.empty_like(h), torch.empty(64, 1536, dtype=dtype)
+            ops.add_rms_norm(hh, delta, normed, weight, 1e-5)
+            ops.silu_mul(x, act)
+            q_out, kv = torch.empty(64, 9, 64, dtype=dtype), torch.zeros(2, 3, 64, 64, dtype=dtype)
+            ops.rope_store_kv(qkv, positions, cos, sin, 9, 3, q_out, kv, torch.randperm(64))
+        finally:
+            ops.set_threads(1)
+        results.append((attn, hh, normed, act, q_out))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_the_kernels_share_torchs_openmp_runtime():
+    """Two OpenMP runtimes in one process would each keep a spinning thread team."""
+    ops_for(torch.float32)
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "gomp" in line or "libomp" in line}
+    assert len(runtimes) <= 1, runtimes
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

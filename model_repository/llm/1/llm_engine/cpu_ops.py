@@ -4,7 +4,8 @@ On CPU a decode step of a small model is bound by dispatch, not arithmetic: Smol
 ran ~1350 ATen calls per step, and everything but the 151 matmuls took 12 ms of a 33-45 ms
 step at one row and 20 ms at 32 rows. These kernels do a layer's norms, rotary embedding,
 KV-cache write, paged attention and SiLU product in five calls, and read the KV pool in
-place instead of gathering each context first.
+place instead of gathering each context first. Built with OpenMP where the compiler has
+it, they share torch's OpenMP runtime and split a step's rows over torch's threads.
 
 The C file is compiled once per machine with the system C compiler (``$CC``, else ``cc``)
 into the cache directory, keyed by the source, the compiler and the CPU's flags, and
@@ -31,13 +32,14 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-ABI_VERSION = 1
+OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
+ABI_VERSION = 2
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
     "rope_store_kv": [_P, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _I],
-    "paged_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P],
+    "paged_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F],
     "silu_mul": [_P, _P, _I, _I],
 }
 
@@ -63,7 +65,8 @@ def build_library() -> Path | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("C compiler %s unusable (%s); the fused CPU kernels are off", cc, exc)
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join([*CFLAGS, OPENMP]),
+                                     _cpu_flags()]).encode())
     target = cache_root() / "kernels" / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
@@ -71,10 +74,14 @@ def build_library() -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            log.warning("building the fused CPU kernels failed; the torch path is used:\n%s", proc.stderr[-2000:])
+        for flags in ([*CFLAGS, OPENMP], CFLAGS):
+            proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode == 0:
+                break
+            log.warning("building the fused CPU kernels with %s failed:\n%s", " ".join(flags), proc.stderr[-2000:])
+        else:
+            log.warning("the torch path is used instead of the fused CPU kernels")
             return None
         os.replace(tmp, target)  # atomic: instances building at once each leave a whole file
     except (OSError, subprocess.SubprocessError) as exc:
@@ -97,10 +104,16 @@ class CpuOps:
     def __init__(self, lib: ctypes.PyDLL, dtype: torch.dtype):
         suffix = _SUFFIX[dtype]
         self.dtype = dtype
+        self._set_threads = lib.cpu_ops_set_threads
+        self._set_threads.argtypes, self._set_threads.restype = [ctypes.c_int], None
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
+
+    def set_threads(self, threads: int) -> None:
+        """How many threads a call with enough work is split over (process-wide; 1 at load)."""
+        self._set_threads(threads)
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, out: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> None:
@@ -117,15 +130,14 @@ class CpuOps:
                             cache.data_ptr(), slots.data_ptr(), cache.shape[2])
 
     def paged_attention(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
-                        ctx: torch.Tensor | None, lens: torch.Tensor, ctx_slots: torch.Tensor, scale: float,
-                        scratch: torch.Tensor) -> None:
+                        ctx: torch.Tensor | None, lens: torch.Tensor, ctx_slots: torch.Tensor,
+                        scale: float) -> None:
         """Query ``rows`` of ``q [T, H, D]`` over the first ``lens`` slots of their ``ctx_slots``
-        row (row ``ctx[i]``, or ``i`` when ``ctx`` is None), into the same rows of ``out``.
-        ``scratch``: float32, at least ``group * (D + max(lens))`` elements."""
+        row (row ``ctx[i]``, or ``i`` when ``ctx`` is None), into the same rows of ``out``."""
         _, heads, d = q.shape
         self._paged_attention(q.data_ptr(), cache.data_ptr(), out.data_ptr(), rows.data_ptr(), _ptr(ctx),
                               lens.data_ptr(), ctx_slots.data_ptr(), ctx_slots.shape[1], rows.shape[0], heads,
-                              cache.shape[1], d, cache.shape[2], scale, scratch.data_ptr())
+                              cache.shape[1], d, cache.shape[2], scale)
 
     def silu_mul(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out = silu(gate) * up`` for ``x = [gate | up]``."""

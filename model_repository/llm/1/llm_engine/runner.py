@@ -250,8 +250,7 @@ class ModelRunner:
         q = torch.empty(t, heads, d, dtype=h.dtype)
         attn = torch.empty(t, heads, d, dtype=h.dtype)
         act = torch.empty(t, self.intermediate, dtype=h.dtype)
-        keys = max(step.decode_ctx.shape[1], step.short_prefills.shape[2] if step.short_prefills else 0)
-        scratch = torch.empty(heads // self.num_kv_heads * (d + keys), dtype=torch.float32)
+        ops.set_threads(torch.get_num_threads())
         delta = None
         for i in range(len(self.layers)):
             ops.add_rms_norm(h, delta, x, *self.norm_in[i])
@@ -259,7 +258,7 @@ class ModelRunner:
             cache = self.kv[i]
             ops.rope_store_kv(qkv, step.positions, self.cos_f32, self.sin_signed_f32, heads,
                               self.num_kv_heads, q, cache, step.slots)
-            self._attention_fused(q, cache, attn, step, scratch)
+            self._attention_fused(q, cache, attn, step)
             ops.add_rms_norm(h, self.o_proj[i](attn.view(t, heads * d)).contiguous(), x, *self.norm_post[i])
             ops.silu_mul(self.gate_up[i](x).contiguous(), act)
             delta = self.down[i](act).contiguous()
@@ -267,18 +266,17 @@ class ModelRunner:
         h = self.final_norm(h[step.logit_rows])
         return self.lm_head(h).float()
 
-    def _attention_fused(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, step: StepInput,
-                         scratch: torch.Tensor) -> None:
+    def _attention_fused(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor, step: StepInput) -> None:
         """Decodes and short prefill chunks in the paged kernel, each query row on its own;
         long prompts' chunks through SDPA."""
         if step.decode_rows.numel():
             self.ops.paged_attention(q, cache, out, step.decode_rows, None, step.decode_lens, step.decode_ctx,
-                                     self.scaling, scratch)
+                                     self.scaling)
         pb = step.short_prefills
         if pb is not None:
             p, _, lk = pb.shape
             self.ops.paged_attention(q, cache, out, pb.q_rows, pb.q_seq, pb.q_lens, pb.kv_slots.view(p, lk),
-                                     self.scaling, scratch)
+                                     self.scaling)
         for start, n, ctx_len, ctx_slots in step.prefills:
             slots = step.slots[start : start + n] if ctx_slots is None else ctx_slots
             kp = cache[0].index_select(1, slots).unsqueeze(1)  # [KV, 1, ctx, D]

@@ -8,6 +8,13 @@
  * on where in the batch it sits, or on how gcc vectorised a loop. All arithmetic is in
  * float32; bfloat16 values are rounded to nearest even once, on store.
  *
+ * Built with -fopenmp where the compiler has it, the loops over rows (and, in attention,
+ * over (query, kv head) pairs) are shared by cpu_ops_set_threads() threads with a static
+ * schedule once a call has enough work. Each item is still computed whole by one thread
+ * in the same order, so the bits don't depend on the thread count either. The library
+ * links libgomp.so.1 by its soname, so in a process that imported torch it shares
+ * torch's OpenMP runtime and thread pool.
+ *
  * The KV pool of one layer is [2][kv_heads][slots][head_dim] (see runner.py).
  */
 #include <math.h>
@@ -16,6 +23,16 @@
 #include <string.h>
 
 #define LANES 16
+/* A call goes parallel from this many multiply-adds (or elements) on: below it, waking
+ * the team costs more than it saves. */
+#define PAR_MIN_WORK 16384
+
+static int n_threads = 1;
+
+void cpu_ops_set_threads(int threads) { n_threads = threads > 0 ? threads : 1; }
+
+/* A parallel loop over a kernel's rows; the function defines `work` first. */
+#define PARALLEL_FOR _Pragma("omp parallel for schedule(static) num_threads(n_threads) if(work >= PAR_MIN_WORK)")
 
 typedef uint16_t bf16;
 
@@ -72,6 +89,8 @@ static inline float lanes_sum(const float *acc) {
 /* h += delta (when delta is given, rounded to T), then out = rmsnorm(h) * weight. */            \
 void add_rms_norm_##SUFFIX(T *h, const T *delta, T *out, const float *weight, int64_t rows,      \
                            int64_t dim, float eps) {                                              \
+    const int64_t work = rows * dim;                                                              \
+    PARALLEL_FOR                                                                                  \
     for (int64_t r = 0; r < rows; r++) {                                                          \
         T *x = h + r * dim;                                                                       \
         if (delta) {                                                                              \
@@ -105,6 +124,8 @@ void rope_store_kv_##SUFFIX(const T *qkv, int64_t rows, const int64_t *positions
                             const int64_t *slots, int64_t num_slots) {                            \
     const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;                               \
     const int64_t head_stride = num_slots * d, kv_stride = kv_heads * head_stride;                \
+    const int64_t work = rows * width;                                                            \
+    PARALLEL_FOR                                                                                  \
     for (int64_t r = 0; r < rows; r++) {                                                          \
         const T *src = qkv + r * width;                                                           \
         const float *c = cos + positions[r] * d, *s = sin_signed + positions[r] * d;              \
@@ -127,21 +148,31 @@ void rope_store_kv_##SUFFIX(const T *qkv, int64_t rows, const int64_t *positions
 /* Attention of query rows over paged contexts. Query i is token row rows[i] of q               \
  * [*, heads, d]; it attends the first lens[i] slots of row ctx[i] of ctx_slots                   \
  * [*, ctx_width]; its result goes to the same row of out [*, heads, d]. ctx may be NULL         \
- * (query i uses context row i). scratch holds group * max(lens) floats. */                      \
+ * (query i uses context row i). Work items are (query, kv head) pairs; each thread keeps        \
+ * its scores and sums in a buffer of its own. */                                                \
 void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *rows,           \
                               const int64_t *ctx, const int64_t *lens, const int64_t *ctx_slots, \
                               int64_t ctx_width, int64_t n, int64_t heads, int64_t kv_heads,     \
-                              int64_t d, int64_t num_slots, float scale, float *scratch) {       \
+                              int64_t d, int64_t num_slots, float scale) {                       \
     const int64_t group = heads / kv_heads;                                                       \
     const int64_t head_stride = num_slots * d, kv_stride = kv_heads * head_stride;                \
-    float acc[LANES];                                                                             \
-    float *o = scratch;                                                                           \
+    int64_t max_len = 0, work = 0;                                                                \
     for (int64_t i = 0; i < n; i++) {                                                             \
-        const int64_t row = rows[i], len = lens[i];                                               \
-        const int64_t *slot = ctx_slots + (ctx ? ctx[i] : i) * ctx_width;                         \
-        float *scores = scratch + group * d;                                                      \
-        for (int64_t kh = 0; kh < kv_heads; kh++) {                                               \
+        max_len = lens[i] > max_len ? lens[i] : max_len;                                          \
+        work += lens[i];                                                                          \
+    }                                                                                             \
+    work *= 2 * heads * d;                                                                        \
+    _Pragma("omp parallel num_threads(n_threads) if(work >= PAR_MIN_WORK && n * kv_heads > 1)")   \
+    {                                                                                             \
+        float *o = malloc(sizeof(float) * (size_t)(group * (d + max_len)));                       \
+        float *scores = o + group * d;                                                            \
+        _Pragma("omp for schedule(static)")                                                       \
+        for (int64_t item = 0; item < n * kv_heads; item++) {                                     \
+            const int64_t i = item / kv_heads, kh = item % kv_heads;                              \
+            const int64_t row = rows[i], len = lens[i];                                           \
+            const int64_t *slot = ctx_slots + (ctx ? ctx[i] : i) * ctx_width;                     \
             const T *kbase = cache + kh * head_stride, *vbase = cache + kv_stride + kh * head_stride; \
+            float acc[LANES];                                                                     \
             for (int64_t g = 0; g < group; g++) {                                                 \
                 const T *qh = q + (row * heads + kh * group + g) * d;                             \
                 float *sc = scores + g * len, best = -INFINITY;                                   \
@@ -156,16 +187,18 @@ void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t 
                     sc[j] = lanes_sum(acc) * scale;                                               \
                     best = fmaxf(best, sc[j]);                                                    \
                 }                                                                                 \
-                float total = 0.0f;                                                               \
-                for (int64_t j = 0; j < len; j++) {                                               \
-                    sc[j] = exp_f32(sc[j] - best);                                                \
-                    total += sc[j];                                                               \
-                }                                                                                 \
+                for (int64_t j = 0; j < len; j++) sc[j] = exp_f32(sc[j] - best);                  \
+                for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                    \
+                int64_t j = 0;                                                                    \
+                for (; j + LANES <= len; j += LANES)                                              \
+                    for (int l = 0; l < LANES; l++) acc[l] += sc[j + l];                          \
+                for (int l = 0; j < len; j++, l++) acc[l] += sc[j];                               \
+                const float total = lanes_sum(acc);                                               \
                 float *og = o + g * d;                                                            \
                 for (int64_t e = 0; e < d; e++) og[e] = 0.0f;                                     \
-                for (int64_t j = 0; j < len; j++) {                                               \
-                    const T *v = vbase + slot[j] * d;                                             \
-                    const float p = sc[j];                                                        \
+                for (int64_t jj = 0; jj < len; jj++) {                                            \
+                    const T *v = vbase + slot[jj] * d;                                            \
+                    const float p = sc[jj];                                                       \
                     for (int64_t e = 0; e < d; e++) og[e] = fmaf(p, LOAD(v + e), og[e]);          \
                 }                                                                                 \
                 T *dst = out + (row * heads + kh * group + g) * d;                                \
@@ -173,11 +206,14 @@ void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t 
                 for (int64_t e = 0; e < d; e++) STORE(dst + e, og[e] * inv);                      \
             }                                                                                     \
         }                                                                                         \
+        free(o);                                                                                  \
     }                                                                                             \
 }                                                                                                 \
                                                                                                   \
 /* out [rows][inter] = silu(gate) * up, with x [rows][2 * inter] = gate | up. */                  \
 void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {                        \
+    const int64_t work = rows * inter;                                                            \
+    PARALLEL_FOR                                                                                  \
     for (int64_t r = 0; r < rows; r++) {                                                          \
         const T *gate = x + r * 2 * inter, *up = gate + inter;                                    \
         T *o = out + r * inter;                                                                   \
@@ -191,4 +227,4 @@ void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {       
 DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store)
 DEFINE_KERNELS(f32, float, f32_load, f32_store)
 
-int cpu_ops_abi_version(void) { return 1; }
+int cpu_ops_abi_version(void) { return 2; }
