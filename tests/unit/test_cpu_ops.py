@@ -191,6 +191,16 @@ def test_silu_mul_matches_torch(dtype):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_stays_nan_through_silu_mul(dtype):
+    """exp's clamps are compares, not fminf/fmaxf, which would turn a NaN into exp(-87)."""
+    x = torch.ones(2, 2 * 40, dtype=dtype)
+    x[0, 3] = float("nan")
+    out = torch.empty(2, 40, dtype=dtype)
+    ops_for(dtype).silu_mul(x, out)
+    assert out[0, 3].isnan() and not out[0, :3].isnan().any() and not out[1].isnan().any()
+
+
 def _tiny_runner(dtype, fused):
     from transformers import LlamaConfig, LlamaForCausalLM
 

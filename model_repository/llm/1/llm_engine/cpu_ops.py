@@ -31,7 +31,8 @@ from .weights import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
+          "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
 ABI_VERSION = 2
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}

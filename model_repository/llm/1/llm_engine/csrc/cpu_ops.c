@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 /* A call goes parallel from this many multiply-adds (or elements) on: below it, waking
@@ -57,10 +60,39 @@ static inline void bf16_store(bf16 *p, float f) {
 static inline float f32_load(const float *p) { return *p; }
 static inline void f32_store(float *p, float f) { *p = f; }
 
+/* Eight float lanes. v8_fma is eight fmaf()s, so a result is the same bits whichever
+ * branch computed it; gcc does not vectorise fmaf reductions on its own. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 v8_fma(v8 a, v8 b, v8 c) {
+#if defined(__AVX__) && defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    v8 r;
+    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+
+static inline v8 f32_load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8 bf16_load8(const bf16 *p) {
+    v8 v;
+    for (int l = 0; l < 8; l++) v[l] = bf16_load(p + l);
+    return v;
+}
+
 /* exp(x) to about 2 ulp: 2^n * p(r) with r = x - n ln2, a degree-6 polynomial. Written
- * so that gcc vectorises it (no errno, no table), and the same on every call. */
+ * so that gcc vectorises it (no errno, no table; the clamps are compares, which
+ * -fno-trapping-math lets it if-convert, where fminf/fmaxf would need NaN handling),
+ * and the same on every call. A NaN stays NaN. */
 static inline float exp_f32(float x) {
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
     float n = rintf(x * 1.44269504088896341f);
     float r = fmaf(n, -0.693145751953125f, x);
     r = fmaf(n, -1.428606765330187045e-06f, r);
@@ -84,7 +116,7 @@ static inline float lanes_sum(const float *acc) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-#define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE)                                                    \
+#define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE, LOAD8)                                                    \
                                                                                                   \
 /* h += delta (when delta is given, rounded to T), then out = rmsnorm(h) * weight. */            \
 void add_rms_norm_##SUFFIX(T *h, const T *delta, T *out, const float *weight, int64_t rows,      \
@@ -178,11 +210,14 @@ void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t 
                 float *sc = scores + g * len, best = -INFINITY;                                   \
                 for (int64_t j = 0; j < len; j++) {                                               \
                     const T *k = kbase + slot[j] * d;                                             \
-                    for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                \
+                    v8 lo = {0}, hi = {0}; /* lanes 0-7 and 8-15 */                               \
                     int64_t e = 0;                                                                \
-                    for (; e + LANES <= d; e += LANES)                                            \
-                        for (int l = 0; l < LANES; l++)                                           \
-                            acc[l] = fmaf(LOAD(qh + e + l), LOAD(k + e + l), acc[l]);             \
+                    for (; e + LANES <= d; e += LANES) {                                          \
+                        lo = v8_fma(LOAD8(qh + e), LOAD8(k + e), lo);                             \
+                        hi = v8_fma(LOAD8(qh + e + 8), LOAD8(k + e + 8), hi);                     \
+                    }                                                                             \
+                    memcpy(acc, &lo, sizeof lo);                                                  \
+                    memcpy(acc + 8, &hi, sizeof hi);                                              \
                     for (int l = 0; e < d; e++, l++) acc[l] = fmaf(LOAD(qh + e), LOAD(k + e), acc[l]); \
                     sc[j] = lanes_sum(acc) * scale;                                               \
                     best = fmaxf(best, sc[j]);                                                    \
@@ -199,7 +234,14 @@ void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t 
                 for (int64_t jj = 0; jj < len; jj++) {                                            \
                     const T *v = vbase + slot[jj] * d;                                            \
                     const float p = sc[jj];                                                       \
-                    for (int64_t e = 0; e < d; e++) og[e] = fmaf(p, LOAD(v + e), og[e]);          \
+                    const v8 pv = {p, p, p, p, p, p, p, p};                                       \
+                    int64_t e = 0;                                                                \
+                    for (; e + 8 <= d; e += 8) {                                                  \
+                        v8 acc8 = f32_load8(og + e);                                              \
+                        acc8 = v8_fma(pv, LOAD8(v + e), acc8);                                    \
+                        memcpy(og + e, &acc8, sizeof acc8);                                       \
+                    }                                                                             \
+                    for (; e < d; e++) og[e] = fmaf(p, LOAD(v + e), og[e]);                       \
                 }                                                                                 \
                 T *dst = out + (row * heads + kh * group + g) * d;                                \
                 const float inv = 1.0f / total;                                                   \
@@ -224,7 +266,7 @@ void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {       
     }                                                                                             \
 }
 
-DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store)
-DEFINE_KERNELS(f32, float, f32_load, f32_store)
+DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store, bf16_load8)
+DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_load8)
 
 int cpu_ops_abi_version(void) { return 2; }
