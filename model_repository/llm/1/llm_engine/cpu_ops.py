@@ -165,4 +165,18 @@ def load(dtype: torch.dtype) -> CpuOps | None:
             log.warning("fused CPU kernels at %s have another ABI; the torch path is used", path)
             return None
         _library = lib
+        runtimes = openmp_runtimes()
+        if len(runtimes) > 1:
+            log.warning("two OpenMP runtimes in this process (%s): the fused kernels' threads and torch's "
+                        "are separate teams; set cpuKernels off if steps get slower", ", ".join(runtimes))
     return CpuOps(_library, dtype)
+
+
+def openmp_runtimes(maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """The OpenMP runtime libraries mapped into this process (Linux; empty elsewhere)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    names = ("libgomp", "libiomp", "libomp")
+    return sorted({line.split()[-1] for line in lines if any(n in line.rsplit("/", 1)[-1] for n in names)})
