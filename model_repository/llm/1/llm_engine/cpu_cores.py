@@ -4,8 +4,8 @@ On CPU the engine runs ``cpuThreads`` torch threads and shares the machine with
 tritonserver, the adapter, the Python stub's other threads and often the clients.
 
 - With the fused CPU kernels (``ModelConfig.cpuKernels`` ``auto`` and a C compiler), a
-  layer is four matmuls and five single-threaded kernel calls, so a step has few thread
-  barriers and the engine takes every core, unpinned. Measured through the whole stack
+  layer is four matmuls and five kernel calls, so a step has few thread barriers and
+  the engine takes every core, unpinned. Measured through the whole stack
   on a 2-core AVX2 EPYC, alternating stacks, float32: 2 threads against 1 pinned gave
   98-99 against 72-73 tok/s at 32 streams, 61-67 against 44-48 at 8, and a p50 TTFT of
   115-118 against 191-195 ms at 1 stream (an earlier session: 109-110 against 78-81).

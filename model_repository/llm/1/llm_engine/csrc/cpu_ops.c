@@ -197,6 +197,7 @@ void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t 
     _Pragma("omp parallel num_threads(n_threads) if(work >= PAR_MIN_WORK && n * kv_heads > 1)")   \
     {                                                                                             \
         float *o = malloc(sizeof(float) * (size_t)(group * (d + max_len)));                       \
+        if (!o) abort(); /* no way to report it; better than writing through NULL */           \
         float *scores = o + group * d;                                                            \
         _Pragma("omp for schedule(static)")                                                       \
         for (int64_t item = 0; item < n * kv_heads; item++) {                                     \
