@@ -202,3 +202,64 @@ def test_the_supervisors_health_checks_reuse_one_connection(tmp_path):
         assert len(connections) == 1
     finally:
         server.shutdown()
+
+
+def _triton_response(outputs: dict, final: bool):
+    """A ModelInferResponse as Triton's gRPC frontend sends it: raw little-endian contents."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.grpc._infer_result import InferResult
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+    response = service_pb2.ModelInferResponse()
+    for name, array in outputs.items():
+        out = response.outputs.add()
+        out.name, out.datatype = name, np_to_triton_dtype(array.dtype)
+        out.shape.extend([1, array.size])
+        raw = serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes()
+        response.raw_output_contents.append(raw)
+    response.parameters["triton_final_response"].bool_param = final
+    return InferResult(response)
+
+
+def test_a_response_is_read_in_one_pass_with_tritonclients_values():
+    import json
+
+    import numpy as np
+
+    from adapter.triton import _chunk
+
+    entries = [{"token": "好", "logprob": -0.25, "top": [["好", -0.25]]}]
+    outputs = {
+        "text_output": np.array(["好，".encode()], dtype=object),
+        "index": np.array([2], np.int32),
+        "token_ids": np.array([17, 2**40], np.int64),
+        "finish_reason": np.array([b"length"], dtype=object),
+        "prompt_tokens": np.array([15], np.int32),
+        "cached_tokens": np.array([3], np.int32),
+        "completion_tokens": np.array([64], np.int32),
+        "cumulative_logprob": np.array([-1.375], np.float32),
+        "seed": np.array([2**63 + 5], np.uint64),
+        "batch_size": np.array([1, 8, 32], np.int32),
+        "queue_wait_us": np.array([455, 0, 2**35], np.int64),
+        "logprobs": np.array([json.dumps(entries).encode()], dtype=object),
+    }
+    result = _triton_response(outputs, final=True)
+    chunk = _chunk(result)
+    assert (chunk.text, chunk.index, chunk.token_ids, chunk.finish_reason) == ("好，", 2, [17, 2**40], "length")
+    assert (chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens) == (15, 3, 64)
+    assert (chunk.cumulative_logprob, chunk.seed, chunk.final) == (-1.375, 2**63 + 5, True)
+    assert (chunk.batch_size, chunk.queue_wait_us, chunk.logprobs) == ([1, 8, 32], [455, 0, 2**35], entries)
+    for name in ("token_ids", "batch_size", "queue_wait_us"):  # the same values as tritonclient's reader
+        assert getattr(chunk, name) == result.as_numpy(name).reshape(-1).tolist()
+
+
+def test_outputs_a_request_did_not_ask_for_read_as_neutral_values():
+    import numpy as np
+
+    from adapter.triton import _chunk
+
+    chunk = _chunk(_triton_response({"text_output": np.array([b" Paris"], dtype=object),
+                                     "completion_tokens": np.array([1], np.int32)}, final=False))
+    assert (chunk.text, chunk.completion_tokens, chunk.final) == (" Paris", 1, False)
+    assert (chunk.index, chunk.token_ids, chunk.finish_reason, chunk.seed, chunk.logprobs) == (0, [], "", 0, None)
+    assert (chunk.batch_size, chunk.queue_wait_us, chunk.cumulative_logprob) == ([], [], 0.0)
