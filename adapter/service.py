@@ -32,6 +32,28 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INVALID_INPUT_IDS = "Failed to enqueue inferRequest. Invalid Input Ids"  # the engine's message (424)
 
 
+# The ``llm`` outputs each endpoint builds its answers from. Triton sends only the outputs
+# a request names, and each one costs the model's sender thread, tritonserver and the
+# adapter work on every token.
+_OUTPUTS = {
+    "completions": ("text_output", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
+                    "batch_size", "queue_wait_us"),
+    "infer": ("text_output", "finish_reason", "completion_tokens", "token_ids", "seed"),
+}
+
+
+def wanted_outputs(plan: GenerationPlan) -> list[str]:
+    """The outputs ``plan``'s answer needs: its endpoint's, plus the sequence index and
+    ranking score when a request has several sequences, plus logprobs when asked for."""
+    names = list(_OUTPUTS[plan.endpoint])
+    sampling = plan.sampling
+    if (sampling.get("n") or 1) > 1 or (sampling.get("best_of") or 1) > 1 or sampling.get("use_beam_search"):
+        names += ["index", "cumulative_logprob"]
+    if plan.logprobs is not None or sampling.get("logprobs") is not None:
+        names.append("logprobs")
+    return names
+
+
 class DeadlineExceeded(Exception):
     """A MindIE timeout fired; ``which`` is ``client timeout``, ``server tokenTimeout`` or ``server e2eTimeout``."""
 
@@ -137,7 +159,7 @@ class Service:
         sampling = dict(plan.sampling)
         sampling.pop("timeout", None)  # deadlines are enforced here, per MindIE's rules
         gen = self.triton.generate(request_id, sampling, prompt_ids=plan.prompt_ids,
-                                   prompt_text=plan.prompt_text, stream=stream)
+                                   prompt_text=plan.prompt_text, stream=stream, outputs=wanted_outputs(plan))
         try:
             while True:
                 now = time.monotonic()

@@ -19,7 +19,7 @@ import numpy as np
 from llm_engine.errors import parse_error
 from llm_engine.sequence import StepOutput
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
-from tritonclient.grpc.aio import InferenceServerClient, InferInput, KeepAliveOptions
+from tritonclient.grpc.aio import InferenceServerClient, InferInput, InferRequestedOutput, KeepAliveOptions
 from tritonclient.utils import InferenceServerException
 
 log = logging.getLogger(__name__)
@@ -171,8 +171,10 @@ class TritonClient:
         self._ready_cache = (0.0, False)
 
     async def generate(self, request_id: str, sampling: dict, *, prompt_ids: list[int] | None = None,
-                       prompt_text: str | None = None, stream: bool = True) -> AsyncIterator[Chunk]:
-        """Yield the model's responses until the final one.
+                       prompt_text: str | None = None, stream: bool = True,
+                       outputs: list[str] | None = None) -> AsyncIterator[Chunk]:
+        """Yield the model's responses until the final one; with ``outputs``, only those
+        outputs travel (the others read as neutral values, see :func:`_chunk`).
 
         Leaving the loop early (``break``, an exception, task cancellation) cancels the
         gRPC call, and the engine drops the request at its next step.
@@ -187,8 +189,10 @@ class TritonClient:
             inputs.append(_input("text_input", np.array([[(prompt_text or "").encode()]], dtype=object),
                                  "BYTES"))
 
+        wanted = [InferRequestedOutput(name) for name in outputs] if outputs else None
+
         async def requests():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+            yield {"model_name": self.model, "inputs": inputs, "outputs": wanted, "request_id": request_id}
 
         try:
             call = self._get().stream_infer(requests())

@@ -263,3 +263,25 @@ def test_outputs_a_request_did_not_ask_for_read_as_neutral_values():
     assert (chunk.text, chunk.completion_tokens, chunk.final) == (" Paris", 1, False)
     assert (chunk.index, chunk.token_ids, chunk.finish_reason, chunk.seed, chunk.logprobs) == (0, [], "", 0, None)
     assert (chunk.batch_size, chunk.queue_wait_us, chunk.cumulative_logprob) == ([], [], 0.0)
+
+
+@pytest.mark.parametrize("endpoint, sampling, logprobs, extra, absent", [
+    ("completions", {}, None, {"batch_size", "queue_wait_us"}, {"index", "logprobs", "token_ids"}),
+    ("completions", {"n": 2}, None, {"index", "cumulative_logprob"}, {"logprobs"}),
+    ("completions", {"best_of": 3, "n": 1}, None, {"index", "cumulative_logprob"}, set()),
+    ("completions", {"use_beam_search": True}, None, {"index", "cumulative_logprob"}, set()),
+    ("completions", {"logprobs": 2}, 2, {"logprobs"}, {"index"}),
+    ("infer", {}, None, {"token_ids", "seed"}, {"index", "logprobs", "batch_size"}),
+])
+def test_a_request_asks_triton_only_for_the_outputs_its_answer_uses(endpoint, sampling, logprobs, extra, absent):
+    from llm_engine.contract import OUTPUTS
+
+    from adapter.protocol.common import GenerationPlan
+    from adapter.service import wanted_outputs
+
+    plan = GenerationPlan(endpoint=endpoint, model=None, prompt_text="hi", prompt_ids=None, stream=True,
+                          sampling=sampling, logprobs=logprobs)
+    names = wanted_outputs(plan)
+    assert {"text_output", "finish_reason", "completion_tokens"} | extra <= set(names)
+    assert not absent & set(names)
+    assert set(names) <= {t.name for t in OUTPUTS} and len(names) == len(set(names))
