@@ -290,3 +290,34 @@ def test_the_library_is_built_once_and_then_reused(monkeypatch, tmp_path):
 
 def test_float16_and_other_architectures_keep_the_torch_path():
     assert cpu_ops.load(torch.float16) is None
+
+
+@pytest.mark.parametrize("n_out, k", [(96, 64), (100, 77), (3, 5), (1536, 576)])
+def test_linear_row_matches_f_linear_with_and_without_bias(n_out, k):
+    ops = ops_for(torch.float32)
+    torch.manual_seed(5)
+    w, b, x = torch.randn(n_out, k), torch.randn(n_out), torch.randn(1, k)
+    ops.set_threads(2)
+    try:
+        torch.testing.assert_close(ops.linear_row(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ops.linear_row(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        strided = torch.randn(k, 3)[:, 1][None]
+        assert torch.equal(ops.linear_row(strided, w, b), ops.linear_row(strided.contiguous(), w, b))
+    finally:
+        ops.set_threads(1)
+
+
+def test_linear_row_gives_the_same_bits_on_one_thread_and_on_several():
+    ops = ops_for(torch.float32)
+    torch.manual_seed(6)
+    w, x = torch.randn(3072, 576), torch.randn(1, 576)
+    results = []
+    for threads in (1, 2, 3):
+        ops.set_threads(threads)
+        results.append(ops.linear_row(x, w, None))
+    ops.set_threads(1)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_bfloat16_kernels_have_no_linear_row():
+    assert not ops_for(torch.bfloat16).has_linear_row and ops_for(torch.float32).has_linear_row

@@ -112,7 +112,18 @@ def test_rotate_is_bit_identical_to_the_rotate_half_form(dtype):
     assert torch.equal(rotate(x, cos, sin_signed), ref)
 
 
-@pytest.mark.parametrize("for_batches,for_one_row", [(False, False), (True, False), (True, True)])
+def _fp32_ops():
+    from llm_engine import cpu_ops
+
+    ops = cpu_ops.load(torch.float32)
+    if ops is None:
+        pytest.skip("no C compiler: no fused kernels")
+    return ops
+
+
+@pytest.mark.parametrize("for_batches,for_one_row", [("plain", "plain"), ("prepacked", "plain"),
+                                                     ("prepacked", "prepacked"), ("plain", "fused"),
+                                                     ("prepacked", "fused")])
 def test_fp32_linear_gives_f_linear_results_with_each_kernel_choice(for_batches, for_one_row):
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
@@ -120,23 +131,32 @@ def test_fp32_linear_gives_f_linear_results_with_each_kernel_choice(for_batches,
     w, b = torch.randn(96, 64), torch.randn(96)
     lin = make_linear(w, b)
     assert isinstance(lin, linear.Fp32Linear) and lin.packed is not None
+    if for_one_row == "fused":
+        lin.ops = _fp32_ops()
     lin.use(for_batches, for_one_row)
     for rows in (1, 2, 17):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert (lin.packed is None) == (not for_batches and not for_one_row)  # copies no kernel uses are dropped
-    assert (lin.weight is None) == (for_batches and for_one_row)
+    kinds = {for_batches, for_one_row}
+    assert (lin.packed is None) == ("prepacked" not in kinds)  # copies no kernel uses are dropped
+    assert (lin.weight is None) == (kinds == {"prepacked"})
 
 
-@pytest.mark.parametrize("plain_one_row_cost,expect_one_row", [(1, "plain"), (2, "prepacked")])
-def test_choose_fp32_kernels_follows_the_measured_times(monkeypatch, plain_one_row_cost, expect_one_row):
+@pytest.mark.parametrize("one_row_costs,expect_one_row", [
+    ({"plain": 1, "prepacked": 1.5}, "plain"),
+    ({"plain": 2, "prepacked": 1.5}, "prepacked"),
+    ({"plain": 2, "prepacked": 1.5, "fused": 1.0}, "fused"),  # 1.5x faster than prepacked: worth a 2nd form
+    ({"plain": 2, "prepacked": 1.5, "fused": 1.45}, "prepacked"),  # not by FP32_GAIN: one weight form
+])
+def test_choose_fp32_kernels_follows_the_measured_times(monkeypatch, one_row_costs, expect_one_row):
     """Prepacked twice as fast on batches: it serves them; single rows get whichever is
-    faster, and a weight form that no kernel uses is dropped."""
+    faster (a kernel that needs the other weight form must win by FP32_GAIN), and a weight
+    form that no kernel uses is dropped."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
     clock = {"t": 0.0}
-    costs = {("plain", 8): 2.0, ("prepacked", 8): 1.0, ("plain", 1): plain_one_row_cost, ("prepacked", 1): 1.5}
-    real = {k: getattr(linear.Fp32Linear, k) for k in ("plain", "prepacked")}
+    costs = {("plain", 8): 2.0, ("prepacked", 8): 1.0, **{(k, 1): v for k, v in one_row_costs.items()}}
+    real = {k: getattr(linear.Fp32Linear, k) for k in linear.Fp32Linear.KINDS}
 
     def costed(kind):
         def kernel(self, x):
@@ -150,7 +170,7 @@ def test_choose_fp32_kernels_follows_the_measured_times(monkeypatch, plain_one_r
         monkeypatch.setattr(linear.Fp32Linear, kind, costed(kind))
     ws = [torch.randn(128, 64) for _ in range(3)]
     layers = [make_linear(w) for w in ws]
-    linear.choose_fp32_kernels(layers, batch_rows=8)
+    linear.choose_fp32_kernels(layers, _fp32_ops() if "fused" in one_row_costs else None, batch_rows=8)
     for lin, w in zip(layers, ws):
         assert lin.for_batches.__name__ == "prepacked" and lin.for_one_row.__name__ == expect_one_row
         assert (lin.weight is None) == (expect_one_row == "prepacked")

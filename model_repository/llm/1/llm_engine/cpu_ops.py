@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
-ABI_VERSION = 2
+ABI_VERSION = 3
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -111,6 +111,10 @@ class CpuOps:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
+        self._linear_row = None
+        if dtype == torch.float32:
+            self._linear_row = lib.linear_row_f32
+            self._linear_row.argtypes, self._linear_row.restype = [_P, _P, _P, _P, _I, _I], None
 
     def set_threads(self, threads: int) -> None:
         """How many threads a call with enough work is split over (process-wide; 1 at load)."""
@@ -143,6 +147,18 @@ class CpuOps:
     def silu_mul(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out = silu(gate) * up`` for ``x = [gate | up]``."""
         self._silu_mul(x.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])
+
+    @property
+    def has_linear_row(self) -> bool:
+        return self._linear_row is not None
+
+    def linear_row(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for one float32 row ``x [1, K]`` and ``weight [N, K]``."""
+        x = x.contiguous()
+        out = torch.empty(1, weight.shape[0], dtype=torch.float32)
+        self._linear_row(x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0],
+                         weight.shape[1])
+        return out
 
 
 _library: ctypes.PyDLL | None = None

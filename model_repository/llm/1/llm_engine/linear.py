@@ -23,8 +23,9 @@ float32 on CPU. Whether oneDNN's prepacked kernel beats ``F.linear`` (MKL) depen
 CPU: on a 2-core AVX2 EPYC (no AVX-512) 120 layer matmuls at 8 rows took 71 ms prepacked
 against 120 ms, at 32 rows 217 against 272, but at one row 45 against 35. So the runner
 times the model's float32 matmuls once at load (:func:`choose_fp32_kernels`): the
-prepacked kernel serves batches where it is faster, and the plain weight is kept for
-single rows only where it is faster there.
+prepacked kernel serves batches where it is faster, and single rows get the fastest of
+the two and the fused kernels' one-row Linear (``cpu_ops``), which reads the weights at
+nearly the machine's bandwidth where torch's kernels reach about half of it at one row.
 """
 
 from __future__ import annotations
@@ -84,15 +85,19 @@ def _kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
 
 
 class Fp32Linear:
-    """float32 on CPU: ``F.linear`` or oneDNN's prepacked kernel, for batches and for single
-    rows, as :func:`choose_fp32_kernels` measured; plain until then."""
+    """float32 on CPU: ``F.linear``, oneDNN's prepacked kernel or, for single rows, the fused
+    kernels' :meth:`~llm_engine.cpu_ops.CpuOps.linear_row`, as :func:`choose_fp32_kernels`
+    measured; plain until then."""
+
+    KINDS = ("plain", "prepacked", "fused")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias = weight.contiguous(), bias
         self.packed = None
+        self.ops = None  # CpuOps with linear_row, for the "fused" kind
         if torch.backends.mkldnn.is_available():
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
             except RuntimeError as exc:
                 log.info("float32 prepacking unavailable (%s)", exc)
         self.for_batches = self.for_one_row = self.plain
@@ -103,48 +108,63 @@ class Fp32Linear:
     def prepacked(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear_row(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.for_one_row(x) if x.shape[0] == 1 else self.for_batches(x)
 
-    def use(self, prepacked_for_batches: bool, prepacked_for_one_row: bool) -> None:
-        """Set the kernels and drop the weight copy neither uses."""
-        self.for_batches = self.prepacked if prepacked_for_batches else self.plain
-        self.for_one_row = self.prepacked if prepacked_for_one_row else self.plain
-        if not (prepacked_for_batches or prepacked_for_one_row):
+    def use(self, for_batches: str, for_one_row: str) -> None:
+        """Set the kernels (:data:`KINDS`) and drop the weight form neither uses."""
+        self.for_batches, self.for_one_row = getattr(self, for_batches), getattr(self, for_one_row)
+        kinds = {for_batches, for_one_row}
+        if "prepacked" not in kinds:
             self.packed = None
-        if prepacked_for_batches and prepacked_for_one_row:
+        if kinds == {"prepacked"}:
             self.weight = None
 
 
-def choose_fp32_kernels(linears: list[Linear], batch_rows: int = 16) -> None:
+def choose_fp32_kernels(linears: list[Linear], ops=None, batch_rows: int = 16) -> None:
     """Time a model's float32 matmuls as a forward runs them (each weight read from memory
-    once per pass), plain and prepacked, at ``batch_rows`` rows and at one row; give each
-    :class:`Fp32Linear` the faster kernel for each (by :data:`FP32_GAIN`). Keeping both
-    costs a second copy of the weights, logged."""
+    once per pass): plain and prepacked at ``batch_rows`` rows, and those and ``ops``'s
+    one-row kernel (when given) at one row. Each :class:`Fp32Linear` gets the fastest kernel
+    for each; one that needs a second form of the weights must win by :data:`FP32_GAIN`.
+    Keeping both forms costs a second copy of the weights, logged."""
     layers = [lin for lin in linears if isinstance(lin, Fp32Linear) and lin.packed is not None]
     if not layers:
         return
+    fused = ops is not None and getattr(ops, "has_linear_row", False)
+    if fused:
+        ops.set_threads(torch.get_num_threads())
+        for lin in layers:
+            lin.ops = ops
     best: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
         for rows in (batch_rows, 1):
+            kinds = ("plain", "prepacked", "fused") if rows == 1 and fused else ("plain", "prepacked")
             xs = [torch.randn(rows, lin.weight.shape[1]) for lin in layers]
             for rnd in range(4):  # a warm round, then best of three, interleaved
-                for kind in ("plain", "prepacked"):
+                for kind in kinds:
                     t0 = time.perf_counter()
                     for lin, x in zip(layers, xs):
                         getattr(lin, kind)(x)
                     if rnd:
                         best[kind, rows] = min(best.get((kind, rows), float("inf")), time.perf_counter() - t0)
-    for_batches = best["plain", batch_rows] > FP32_GAIN * best["prepacked", batch_rows]
-    for_one_row = for_batches and best["plain", 1] * FP32_GAIN >= best["prepacked", 1]
+    for_batches = "prepacked" if best["plain", batch_rows] > FP32_GAIN * best["prepacked", batch_rows] else "plain"
+    one_row = {kind: t for (kind, rows), t in best.items() if rows == 1}
+    same_form = [k for k in one_row if (k == "prepacked") == (for_batches == "prepacked")]
+    other_form = [k for k in one_row if k not in same_form]
+    for_one_row = min(same_form, key=one_row.get)
+    if other_form and FP32_GAIN * one_row[min(other_form, key=one_row.get)] < one_row[for_one_row]:
+        for_one_row = min(other_form, key=one_row.get)
     for lin in layers:
         lin.use(for_batches, for_one_row)
-    both = for_batches and not for_one_row
+    both = "prepacked" in (for_batches, for_one_row) and {for_batches, for_one_row} != {"prepacked"}
     extra = sum(lin.weight.numel() * 4 for lin in layers) / 2**20 if both else 0.0
-    log.info("float32 matmuls, %d of them: plain %.1f / %.1f ms, prepacked %.1f / %.1f ms at %d / 1 rows -> "
+    timings = ", ".join(f"{kind} {t * 1e3:.1f}" for kind, t in sorted(one_row.items()))
+    log.info("float32 matmuls, %d of them: plain %.1f ms, prepacked %.1f ms at %d rows; at 1 row %s ms -> "
              "%s for batches, %s for single rows%s", len(layers), best["plain", batch_rows] * 1e3,
-             best["plain", 1] * 1e3, best["prepacked", batch_rows] * 1e3, best["prepacked", 1] * 1e3, batch_rows,
-             "prepacked" if for_batches else "plain", "prepacked" if for_one_row else "plain",
+             best["prepacked", batch_rows] * 1e3, batch_rows, timings, for_batches, for_one_row,
              f" (both weight forms kept: {extra:.0f} MiB of plain weights)" if both else "")
 
 

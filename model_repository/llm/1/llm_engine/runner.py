@@ -135,8 +135,8 @@ class ModelRunner:
         # Masked attention: SDPA, except on CPU at reduced precision (see matmul_attention).
         self.matmul_attention = device.type == "cpu" and dtype != torch.float32
         self._attend = matmul_attention if self.matmul_attention else sdpa_attention
-        self._fuse_projections()
         self.ops = self._load_fused_kernels() if fused_kernels else None
+        self._fuse_projections()
 
     def _fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up per layer instead of five small ones.
@@ -168,7 +168,7 @@ class ModelRunner:
         self.lm_head = make_linear(head.weight, head.bias)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        choose_fp32_kernels([*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head])
+        choose_fp32_kernels([*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head], self.ops)
         self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
         self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = self._norm(self.inner.norm)

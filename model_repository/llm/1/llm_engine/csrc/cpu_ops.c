@@ -1,5 +1,5 @@
 /* Fused CPU kernels for the decode step: residual add + RMSNorm, rotary embedding with
- * the KV-cache write, paged attention, and SiLU(gate) * up.
+ * the KV-cache write, paged attention, SiLU(gate) * up, and a float32 Linear at one row.
  *
  * Each runs over the rows of a step in one call, so a layer is a handful of calls
  * instead of ~45 ATen ops from Python. Every row is computed on its own with a fixed
@@ -270,4 +270,31 @@ void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {       
 DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store, bf16_load8)
 DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_load8)
 
-int cpu_ops_abi_version(void) { return 2; }
+/* y [n_out] = w [n_out][k] . x [k] (+ bias): a float32 Linear at one row, which streams the
+ * weight from memory once. The output rows are split over the threads in two contiguous
+ * halves, so each thread reads one run of memory; torch's kernels read it at about half the
+ * machine's bandwidth at one row (measured on a 2-core AVX2 EPYC: 8-12 against 15-21 GB/s).
+ * Each output is one thread's dot product in four 8-lane FMA accumulators summed in a fixed
+ * order, so the bits don't depend on the thread count. */
+void linear_row_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_out, int64_t k) {
+    const int64_t work = n_out * k;
+    PARALLEL_FOR
+    for (int64_t o = 0; o < n_out; o++) {
+        const float *wr = w + o * k;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i + 32 <= k; i += 32) {
+            a0 = v8_fma(f32_load8(wr + i), f32_load8(x + i), a0);
+            a1 = v8_fma(f32_load8(wr + i + 8), f32_load8(x + i + 8), a1);
+            a2 = v8_fma(f32_load8(wr + i + 16), f32_load8(x + i + 16), a2);
+            a3 = v8_fma(f32_load8(wr + i + 24), f32_load8(x + i + 24), a3);
+        }
+        for (; i + 8 <= k; i += 8) a0 = v8_fma(f32_load8(wr + i), f32_load8(x + i), a0);
+        v8 s = (a0 + a1) + (a2 + a3);
+        float acc = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+        for (; i < k; i++) acc = fmaf(wr[i], x[i], acc);
+        y[o] = bias ? acc + bias[o] : acc;
+    }
+}
+
+int cpu_ops_abi_version(void) { return 3; }
