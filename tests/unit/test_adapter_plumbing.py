@@ -285,3 +285,22 @@ def test_a_request_asks_triton_only_for_the_outputs_its_answer_uses(endpoint, sa
     assert {"text_output", "finish_reason", "completion_tokens"} | extra <= set(names)
     assert not absent & set(names)
     assert set(names) <= {t.name for t in OUTPUTS} and len(names) == len(set(names))
+
+
+def test_next_within_hands_on_items_and_times_out_a_stalled_source():
+    from adapter.service import next_within
+
+    async def source():
+        yield 1
+        await asyncio.sleep(10)
+        yield 2
+
+    async def run():
+        gen = source()
+        first = await next_within(gen, 1.0)
+        with pytest.raises(asyncio.TimeoutError):
+            await next_within(gen, 0.05)
+        await gen.aclose()
+        return first
+
+    assert asyncio.run(run()) == 1
