@@ -92,7 +92,8 @@ class Fp32Linear:
     KINDS = ("plain", "prepacked", "fused")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight.contiguous(), bias
+        self.weight = weight.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
         self.packed = None
         self.ops = None  # CpuOps with linear_row, for the "fused" kind
         if torch.backends.mkldnn.is_available():

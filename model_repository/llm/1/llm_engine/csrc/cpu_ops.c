@@ -271,8 +271,8 @@ DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store, bf16_load8)
 DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_load8)
 
 /* y [n_out] = w [n_out][k] . x [k] (+ bias): a float32 Linear at one row, which streams the
- * weight from memory once. The output rows are split over the threads in two contiguous
- * halves, so each thread reads one run of memory; torch's kernels read it at about half the
+ * weight from memory once. The output rows are split over the threads in contiguous
+ * runs, so each thread streams one run of memory; torch's kernels read it at about half the
  * machine's bandwidth at one row (measured on a 2-core AVX2 EPYC: 8-12 against 15-21 GB/s).
  * Each output is one thread's dot product in four 8-lane FMA accumulators summed in a fixed
  * order, so the bits don't depend on the thread count. */
