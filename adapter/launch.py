@@ -128,8 +128,11 @@ class Supervisor:
         self.cores: CoreSplit | None = None
         # One client for every health check: a bare httpx.get() builds a new client and its
         # SSL context each time, ~55 ms of CPU (measured), taken every 2 s from the engine's cores.
+        # No keep-alive: tritonserver waits out its whole exit timeout for an open HTTP
+        # connection and then exits without unloading the model, orphaning the stubs.
         t = self.settings.triton
-        self._http = httpx.Client(base_url=f"http://{t.httpAddress}:{t.httpPort}", timeout=2)
+        self._http = httpx.Client(base_url=f"http://{t.httpAddress}:{t.httpPort}", timeout=2,
+                                  headers={"Connection": "close"})
 
     # -- processes ------------------------------------------------------------------
     def _triton_ready(self) -> bool:

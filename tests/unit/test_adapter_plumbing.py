@@ -166,15 +166,18 @@ def test_the_launcher_splits_by_the_models_instance_count(tmp_path, monkeypatch)
     assert engine_cores(settings, repo) is None
 
 
-def test_the_supervisors_health_checks_reuse_one_connection(tmp_path):
-    """A fresh client per check built an SSL context each time: ~55 ms of CPU every 2 s."""
+def test_the_supervisors_health_checks_reuse_one_client_and_leave_no_connection_open(tmp_path, monkeypatch):
+    """A fresh client per check built an SSL context each time (~55 ms of CPU every 2 s);
+    a kept-alive connection made tritonserver wait out its exit timeout and orphan the stubs."""
     import http.server
     import threading
 
-    from adapter.launch import Supervisor
+    import httpx
+
+    from adapter import launch
     from tests.conftest import ROOT, write_settings
 
-    connections = []
+    connections, closed_by_client = [], []
 
     class Ready(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -184,6 +187,7 @@ def test_the_supervisors_health_checks_reuse_one_connection(tmp_path):
             super().setup()
 
         def do_GET(self):
+            closed_by_client.append(self.headers.get("Connection", "").lower() == "close")
             self.send_response(200)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -191,15 +195,24 @@ def test_the_supervisors_health_checks_reuse_one_connection(tmp_path):
         def log_message(self, *args):
             pass
 
+    built = []
+
+    class CountingClient(httpx.Client):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(launch.httpx, "Client", CountingClient)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         config = write_settings(tmp_path, TritonConfig={"httpAddress": "127.0.0.1",
                                                         "httpPort": server.server_address[1]})
-        sup = Supervisor(config, ROOT / "model_repository")
+        sup = launch.Supervisor(config, ROOT / "model_repository")
         assert all(sup._triton_ready() for _ in range(5))
         assert sup._triton_live()
-        assert len(connections) == 1
+        assert len(built) == 1  # one client, one SSL context
+        assert len(connections) == 6 and all(closed_by_client)  # nothing left open for Triton to wait on
     finally:
         server.shutdown()
 
