@@ -134,7 +134,7 @@ def choose_fp32_kernels(linears: list[Linear], ops=None, batch_rows: int = 16) -
     layers = [lin for lin in linears if isinstance(lin, Fp32Linear) and lin.packed is not None]
     if not layers:
         return
-    fused = ops is not None and getattr(ops, "has_linear_row", False)
+    fused = ops is not None and ops.has_linear_row
     if fused:
         ops.set_threads(torch.get_num_threads())
         for lin in layers:
@@ -156,11 +156,12 @@ def choose_fp32_kernels(linears: list[Linear], ops=None, batch_rows: int = 16) -
     same_form = [k for k in one_row if (k == "prepacked") == (for_batches == "prepacked")]
     other_form = [k for k in one_row if k not in same_form]
     for_one_row = min(same_form, key=one_row.get)
-    if other_form and FP32_GAIN * one_row[min(other_form, key=one_row.get)] < one_row[for_one_row]:
-        for_one_row = min(other_form, key=one_row.get)
+    rival = min(other_form, key=one_row.get) if other_form else None
+    if rival and FP32_GAIN * one_row[rival] < one_row[for_one_row]:
+        for_one_row = rival
     for lin in layers:
         lin.use(for_batches, for_one_row)
-    both = "prepacked" in (for_batches, for_one_row) and {for_batches, for_one_row} != {"prepacked"}
+    both = layers[0].packed is not None and layers[0].weight is not None  # as use() left them
     extra = sum(lin.weight.numel() * 4 for lin in layers) / 2**20 if both else 0.0
     timings = ", ".join(f"{kind} {t * 1e3:.1f}" for kind, t in sorted(one_row.items()))
     log.info("float32 matmuls, %d of them: plain %.1f ms, prepacked %.1f ms at %d rows; at 1 row %s ms -> "
