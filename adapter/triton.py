@@ -170,6 +170,10 @@ class TritonClient:
     def invalidate(self) -> None:
         self._ready_cache = (0.0, False)
 
+    def _answered(self) -> None:
+        """The model just finished a request: it is ready, whatever an older probe said."""
+        self._ready_cache = (time.monotonic(), True)
+
     async def generate(self, request_id: str, sampling: dict, *, prompt_ids: list[int] | None = None,
                        prompt_text: str | None = None, stream: bool = True,
                        outputs: list[str] | None = None) -> AsyncIterator[Chunk]:
@@ -216,6 +220,7 @@ class TritonClient:
                 yield chunk
                 if chunk.final:
                     finished = True
+                    self._answered()
                     return
             finished = True
             raise TritonUnavailable("the model stream ended without a final response")

@@ -317,3 +317,34 @@ def test_next_within_hands_on_items_and_times_out_a_stalled_source():
         return first
 
     assert asyncio.run(run()) == 1
+
+
+def test_a_finished_generation_overrides_a_cached_not_ready():
+    """Readiness is cached for a second; a model that just answered is ready whatever the
+    last probe said (CI saw /v2/health/ready stay 503 right after a 200 completion)."""
+    import numpy as np
+
+    from adapter.triton import TritonClient
+
+    class Upstream:
+        up = False
+
+        async def is_model_ready(self, _model):
+            return self.up
+
+        def stream_infer(self, _requests):
+            async def answers():
+                yield _triton_response({"text_output": np.array([b"ok"], dtype=object)}, final=True), None
+            return answers()
+
+    async def scenario():
+        client = TritonClient("127.0.0.1:1", "m")
+        client._client = upstream = Upstream()
+        assert not await client.ready()
+        upstream.up = True  # Triton came; the cached probe still says no
+        assert not await client.ready()
+        chunks = [c async for c in client.generate("r1", {}, prompt_text="hi")]
+        assert [c.text for c in chunks] == ["ok"] and chunks[-1].final
+        assert await client.ready()
+
+    asyncio.run(scenario())
