@@ -268,7 +268,7 @@ def test_no_compiler_means_the_torch_path(monkeypatch, tmp_path):
 def test_a_failing_build_means_the_torch_path_and_leaves_no_file(monkeypatch, tmp_path):
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_ops, "SOURCE", bad)
+    monkeypatch.setattr(cpu_ops, "SOURCES", [bad])
     monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_ops, "_library", None)
     if cpu_cores.c_compiler() is None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from llm_engine import linear
+from llm_engine import cpu_ops, linear
 from llm_engine.linear import is_batch_invariant, make_linear, packing_supported
 from llm_engine.runner import matmul_attention, rotate, sdpa_attention
 
@@ -30,10 +30,14 @@ def test_bf16_weights_are_prepacked_on_cpu_when_onednn_supports_it():
 
 @pytest.mark.parametrize("k", [576, 1536, 4096])
 def test_bf16_linears_are_batch_invariant(k):
-    """A row's result may not depend on the other rows (seeded requests in a batch)."""
+    """A row's result may not depend on the other rows (seeded requests in a batch), for the
+    linears the fused path makes: the AMX tile kernel where the CPU has AMX, else oneDNN's
+    form the load-time probe picks. (On AMX CPUs oneDNN's bf16 kernels change their
+    blocking with the row count, and no form the probe can pick is invariant for all data:
+    the torch path, ``cpuKernels: off``, is not batch-invariant there; see test_engine_bf16.)"""
     torch.manual_seed(k)
     w = (torch.randn(576, k) * k**-0.5).bfloat16()
-    lin = make_linear(w)
+    lin = make_linear(w, None, cpu_ops.load(torch.bfloat16))
     assert is_batch_invariant(lin, k, torch.bfloat16, torch.device("cpu"))
     x = torch.randn(9, k, dtype=torch.bfloat16)
     torch.testing.assert_close(lin(x), F.linear(x, w), rtol=2e-2, atol=2e-2)

@@ -30,11 +30,11 @@ from .weights import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.c", "linear_amx.c")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
-ABI_VERSION = 3
+ABI_VERSION = 4
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -66,7 +66,7 @@ def build_library() -> Path | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("C compiler %s unusable (%s); the fused CPU kernels are off", cc, exc)
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join([*CFLAGS, OPENMP]),
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), version, " ".join([*CFLAGS, OPENMP]),
                                      _cpu_flags()]).encode())
     target = cache_root() / "kernels" / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.is_file():
@@ -76,7 +76,7 @@ def build_library() -> Path | None:
     os.close(fd)
     try:
         for flags in ([*CFLAGS, OPENMP], CFLAGS):
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode == 0:
                 break
@@ -111,10 +111,15 @@ class CpuOps:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
-        self._linear_row = None
+        self._linear_row = self._linear_amx = None
         if dtype == torch.float32:
             self._linear_row = lib.linear_row_f32
             self._linear_row.argtypes, self._linear_row.restype = [_P, _P, _P, _P, _I, _I], None
+        elif _amx_granted(lib):
+            self._linear_amx = lib.linear_amx_bf16
+            self._linear_amx.argtypes, self._linear_amx.restype = [_P, _P, _P, _P, _I, _I, _I], None
+            self._amx_pack = lib.linear_amx_bf16_pack
+            self._amx_pack.argtypes, self._amx_pack.restype = [_P, _P, _I, _I], None
 
     def set_threads(self, threads: int) -> None:
         """How many threads a call with enough work is split over (process-wide; 1 at load)."""
@@ -159,6 +164,34 @@ class CpuOps:
         self._linear_row(x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0],
                          weight.shape[1])
         return out
+
+    def amx_fits(self, weight: torch.Tensor) -> bool:
+        """Can :meth:`linear_amx` serve this weight (AMX here, bfloat16, N % 16 == K % 32 == 0)?"""
+        n, k = weight.shape
+        return self._linear_amx is not None and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` in the tile layout :meth:`linear_amx` reads (same size)."""
+        weight = weight.detach().contiguous()
+        packed = torch.empty_like(weight)
+        self._amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
+        return packed
+
+    def linear_amx(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, ``packed`` from :meth:`amx_pack` and a
+        float32 ``bias``; each row's bits are the same whatever ``M``."""
+        x = x.contiguous()
+        m, (n, k) = x.shape[0], packed.shape
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m:
+            self._linear_amx(x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), m, n, k)
+        return out
+
+
+def _amx_granted(lib: ctypes.PyDLL) -> bool:
+    """Was the library built for AMX-BF16, and did Linux grant this process the tile state?"""
+    lib.linear_amx_bf16_init.argtypes, lib.linear_amx_bf16_init.restype = [], ctypes.c_int
+    return bool(lib.linear_amx_bf16_init())
 
 
 _library: ctypes.PyDLL | None = None

@@ -51,15 +51,18 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, ops=None) -> Linear:
     """``x -> x @ weight.T + bias`` for 2-D ``x``: prepacked where that helps, batch-invariant
-    on CPU at reduced precision."""
+    on CPU at reduced precision. ``ops`` (:class:`~llm_engine.cpu_ops.CpuOps`) offers the fused
+    kernels' AMX Linear, used for the bfloat16 shapes it fits and passes the probe."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
     if weight.device.type != "cpu":
         return _kernel(weight, bias)
     if weight.dtype == torch.float32:
         return Fp32Linear(weight, bias)
+    if ops is not None and ops.amx_fits(weight) and _amx_invariant(weight, ops):
+        return AmxLinear(weight, bias, ops)
     key = (*weight.shape, weight.dtype, weight.device.type)
     if key not in _strategy_for_shape:
         _strategy_for_shape[key] = _invariant_strategy(weight)
@@ -82,6 +85,35 @@ def _kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         except RuntimeError as exc:  # an oneDNN build without the op: plain matmul
             log.warning("weight prepacking unavailable (%s); using plain linear", exc)
     return lambda x: F.linear(x, weight, bias)
+
+
+class AmxLinear:
+    """bfloat16 on CPUs with AMX: the fused kernels' tile Linear (``csrc/linear_amx.c``), which
+    is batch-invariant as it is, so no shape needs oneDNN's K-split form. Holds only the
+    packed weight (the same size as the weight)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
+        self.ops = ops
+        self.packed = ops.amx_pack(weight)
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear_amx(x, self.packed, self.bias)
+
+
+_amx_checked: dict[tuple, bool] = {}  # (N, K) -> the AMX Linear passed the batch-invariance probe
+
+
+def _amx_invariant(weight: torch.Tensor, ops) -> bool:
+    """Probe the AMX Linear on this shape once (it is invariant by construction; this checks
+    the machine). A shape that fails keeps oneDNN's invariant form, with a warning."""
+    key = tuple(weight.shape)
+    if key not in _amx_checked:
+        probe = AmxLinear(weight, None, ops)
+        _amx_checked[key] = is_batch_invariant(probe, weight.shape[1], weight.dtype, weight.device)
+        if not _amx_checked[key]:
+            log.warning("linear %dx%d: the AMX kernel was not batch-invariant here; oneDNN is used", *key)
+    return _amx_checked[key]
 
 
 class Fp32Linear:

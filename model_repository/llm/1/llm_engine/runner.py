@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ops
-from .linear import Linear, choose_fp32_kernels, make_linear
+from .linear import AmxLinear, Linear, choose_fp32_kernels, make_linear
 
 log = logging.getLogger(__name__)
 # RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * weight, which F.rms_norm fuses.
@@ -157,18 +157,23 @@ class ModelRunner:
             b = None
             if a.q_proj.bias is not None:
                 b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            self.qkv.append(make_linear(w, b))
-            self.o_proj.append(make_linear(a.o_proj.weight, a.o_proj.bias))
-            self.gate_up.append(make_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])))
-            self.down.append(make_linear(m.down_proj.weight, m.down_proj.bias))
+            self.qkv.append(make_linear(w, b, self.ops))
+            self.o_proj.append(make_linear(a.o_proj.weight, a.o_proj.bias, self.ops))
+            self.gate_up.append(make_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), ops=self.ops))
+            self.down.append(make_linear(m.down_proj.weight, m.down_proj.bias, self.ops))
             self.act.append(m.act_fn)
             self.intermediate = m.gate_proj.weight.shape[0]
             del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
         head = self.model.lm_head
-        self.lm_head = make_linear(head.weight, head.bias)
+        self.lm_head = make_linear(head.weight, head.bias, self.ops)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        choose_fp32_kernels([*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head], self.ops)
+        linears = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
+        choose_fp32_kernels(linears, self.ops)
+        if amx := sum(isinstance(lin, AmxLinear) for lin in linears):
+            extra = head.weight.numel() * 2 / 2**20 if isinstance(self.lm_head, AmxLinear) else 0.0
+            log.info("bfloat16 matmuls on AMX tiles: %d of %d (the lm_head's weight stays beside its packed "
+                     "copy: %.0f MiB more)", amx, len(linears), extra)
         self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
         self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = self._norm(self.inner.norm)

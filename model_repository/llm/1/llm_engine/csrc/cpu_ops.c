@@ -1,5 +1,6 @@
 /* Fused CPU kernels for the decode step: residual add + RMSNorm, rotary embedding with
- * the KV-cache write, paged attention, SiLU(gate) * up, and a float32 Linear at one row.
+ * the KV-cache write, paged attention, SiLU(gate) * up, and a float32 Linear at one row
+ * (linear_amx.c, built into the same library, has the bfloat16 Linear on AMX).
  *
  * Each runs over the rows of a step in one call, so a layer is a handful of calls
  * instead of ~45 ATen ops from Python. Every row is computed on its own with a fixed
@@ -33,6 +34,7 @@
 static int n_threads = 1;
 
 void cpu_ops_set_threads(int threads) { n_threads = threads > 0 ? threads : 1; }
+int cpu_ops_threads(void) { return n_threads; }
 
 /* A parallel loop over a kernel's rows; the function defines `work` first. */
 #define PARALLEL_FOR _Pragma("omp parallel for schedule(static) num_threads(n_threads) if(work >= PAR_MIN_WORK)")
@@ -297,4 +299,4 @@ void linear_row_f32(const float *x, const float *w, const float *bias, float *y,
     }
 }
 
-int cpu_ops_abi_version(void) { return 3; }
+int cpu_ops_abi_version(void) { return 4; }

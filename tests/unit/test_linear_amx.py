@@ -1,0 +1,90 @@
+"""The bfloat16 Linear on AMX tiles (``csrc/linear_amx.c``): right numbers, and a row's bits
+the same whatever the batch, its place in it, or the thread count. Runs where the CPU has
+AMX-BF16 (Sapphire Rapids and later); elsewhere only the fallback is checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from llm_engine import cpu_ops
+from llm_engine.linear import AmxLinear, make_linear
+
+from tests.unit.test_engine_bf16 import AMX
+
+
+def _bf16_ops():
+    ops = cpu_ops.load(torch.bfloat16)
+    if ops is None:
+        pytest.skip("no C compiler on this machine")
+    return ops
+
+
+def _amx_ops():
+    ops = _bf16_ops()
+    if ops._linear_amx is None:
+        pytest.skip("this CPU has no AMX-BF16 (or Linux did not grant the tile state)")
+    return ops
+
+
+def test_amx_is_offered_exactly_where_the_cpu_has_it():
+    ops = _bf16_ops()
+    assert (ops._linear_amx is not None) == AMX
+    assert not cpu_ops.load(torch.float32).amx_fits(torch.zeros(16, 32))
+
+
+def test_only_shapes_of_whole_tiles_fit():
+    ops = _amx_ops()
+    assert ops.amx_fits(torch.zeros(960, 576, dtype=torch.bfloat16))
+    for n, k in [(100, 576), (960, 77), (8, 32)]:
+        assert not ops.amx_fits(torch.zeros(n, k, dtype=torch.bfloat16))
+    assert not ops.amx_fits(torch.zeros(960, 576))  # float32
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 64)])
+def test_amx_linear_matches_a_float32_reference_with_and_without_bias(n, k):
+    ops = _amx_ops()
+    torch.manual_seed(7)
+    w, b = (torch.randn(n, k) * 0.05).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(37, k).bfloat16()
+    lin, biased = AmxLinear(w, None, ops), AmxLinear(w, b, ops)
+    reference = x.float() @ w.float().T
+    for got, want, torchs in ((lin(x), reference, F.linear(x, w)),
+                              (biased(x), reference + b.float(), F.linear(x, w, b))):
+        assert got.dtype == torch.bfloat16 and got.shape == (37, n)
+        # one rounding to bfloat16: no further from the float32 result than torch's own kernel
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+        assert (got.float() - want).abs().max() <= (torchs.float() - want).abs().max() * 1.5 + 1e-3
+    strided = torch.randn(k, 3).bfloat16()[:, 1][None]
+    assert torch.equal(lin(strided), lin(strided.contiguous()))
+    assert lin(x[:0]).shape == (0, n)
+
+
+def test_a_row_has_the_same_bits_alone_anywhere_in_a_batch_and_on_any_thread_count():
+    ops = _amx_ops()
+    torch.manual_seed(8)
+    w = (torch.randn(3072, 576) * 0.05).bfloat16()
+    lin = AmxLinear(w, None, ops)
+    x = torch.randn(70, 576).bfloat16()
+    try:
+        ops.set_threads(2)
+        full = lin(x)
+        for rows in (slice(0, 1), slice(5, 6), slice(15, 17), slice(3, 40), slice(16, 32), slice(33, 70),
+                     slice(69, 70)):
+            assert torch.equal(lin(x[rows]), full[rows]), rows
+        assert all(torch.equal(lin(x[i : i + 1]), full[i : i + 1]) for i in range(70))
+        for threads in (1, 3):
+            ops.set_threads(threads)
+            assert torch.equal(lin(x), full)
+    finally:
+        ops.set_threads(1)
+
+
+def test_make_linear_takes_the_amx_kernel_where_it_fits_and_onednn_elsewhere():
+    ops = _amx_ops()
+    fits = make_linear((torch.randn(576, 576) * 0.05).bfloat16(), None, ops)
+    odd = make_linear((torch.randn(100, 576) * 0.05).bfloat16(), None, ops)
+    plain = make_linear((torch.randn(576, 576) * 0.05).bfloat16())
+    assert isinstance(fits, AmxLinear) and not isinstance(odd, AmxLinear) and not isinstance(plain, AmxLinear)
+    x = torch.randn(3, 576).bfloat16()
+    assert odd(x).shape == (3, 100)
