@@ -321,3 +321,41 @@ def test_linear_row_gives_the_same_bits_on_one_thread_and_on_several():
 
 def test_bfloat16_kernels_have_no_linear_row():
     assert not ops_for(torch.bfloat16).has_linear_row and ops_for(torch.float32).has_linear_row
+
+
+def _other_thread_ran_inside(call) -> bool:
+    """Did another Python thread run in the middle of ``call()`` (so the call let go of the GIL)?"""
+    import threading
+    import time
+
+    stamps, stop, started = [], threading.Event(), threading.Event()
+
+    def count():
+        started.set()
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            for _ in range(1000):
+                pass
+
+    t = threading.Thread(target=count)
+    t.start()
+    started.wait()
+    t0 = time.perf_counter()
+    call()
+    t1 = time.perf_counter()
+    stop.set()
+    t.join()
+    margin = (t1 - t0) * 0.25
+    return any(t0 + margin < stamp < t1 - margin for stamp in stamps)
+
+
+def test_paged_attention_lets_go_of_the_gil_and_the_short_kernels_keep_it():
+    """The stub's sender thread builds responses while the engine is in a long kernel."""
+    ops = ops_for(torch.float32)
+    lens = [4000] * 24
+    q, cache, ctx, lens_t = _attention_case(torch.float32, lens, slots_n=4096)
+    out = torch.zeros_like(q)
+    rows = torch.arange(len(lens))
+    assert _other_thread_ran_inside(lambda: ops.paged_attention(q, cache, out, rows, None, lens_t, ctx, 0.125))
+    h, normed, weight = torch.randn(8192, 4096), torch.empty(8192, 4096), torch.ones(4096)
+    assert not _other_thread_ran_inside(lambda: ops.add_rms_norm(h, None, normed, weight, 1e-5))

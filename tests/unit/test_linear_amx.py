@@ -88,3 +88,12 @@ def test_make_linear_takes_the_amx_kernel_where_it_fits_and_onednn_elsewhere():
     assert isinstance(fits, AmxLinear) and not isinstance(odd, AmxLinear) and not isinstance(plain, AmxLinear)
     x = torch.randn(3, 576).bfloat16()
     assert odd(x).shape == (3, 100)
+
+
+def test_the_amx_linear_lets_go_of_the_gil_while_it_runs():
+    from tests.unit.test_cpu_ops import _other_thread_ran_inside
+
+    ops = _amx_ops()
+    lin = AmxLinear((torch.randn(49152, 576) * 0.05).bfloat16(), None, ops)
+    x = torch.randn(256, 576).bfloat16()
+    assert _other_thread_ran_inside(lambda: lin(x))
