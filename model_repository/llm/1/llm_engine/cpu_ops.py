@@ -39,9 +39,11 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # The long kernels (paged attention, and the AMX Linear, which releases it by the same
 # handle) let go of the GIL while they run, so the Python stub's sender thread can build
 # and send responses meanwhile instead of waiting for the engine thread to hand it over;
-# at 32 streams on a 2-core Sapphire Rapids the stack served 372 and 387 tokens/s with them
-# releasing it against 329 and 342 without (runs taking turns; single runs vary by ~8%).
-# The short ones keep it: each retake could wait behind the sender thread.
+# at 32 streams on a 2-core Sapphire Rapids, over eight runs taking turns (15 s loads and
+# full bench runs), the stack served 361-387 tokens/s with them releasing it against
+# 329-371 without (means 376 and 346); the engine alone did not change beyond its noise
+# (558-646 against 594-687). The short ones keep it: each retake could wait behind the
+# sender thread.
 RELEASE_GIL = {"paged_attention"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
