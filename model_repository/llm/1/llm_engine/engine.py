@@ -24,10 +24,11 @@ from .detokenizer import IncrementalDetokenizer
 from .device import use_in_this_thread
 from .errors import EngineError, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
+from .outputs import TokenTexts, logprob_entry, step_output
 from .runner import ModelRunner, StepInput
 from .sampler import RowSpec, sample
 from .scheduler import Plan, Scheduler
-from .sequence import Request, Sequence, Status, StepOutput
+from .sequence import Request, Sequence, Status
 from .stopping import StopChecker
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class Engine:
         self.max_failed_steps = max_failed_steps
         self._step_started = 0.0  # time.monotonic() of the step running now, 0 between steps
         self.failed_steps_in_a_row = 0
-        self._token_texts: dict[tuple[int, bool], str] = {}  # see token_text
+        self.token_text = TokenTexts(tokenizer)  # one token's text, as logprobs report it
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -328,26 +329,14 @@ class Engine:
                 self._finish(seq, contract.FINISH_LENGTH)
         seq.pending_text += text
         if req.params.logprobs is not None:
-            seq.pending_logprobs.append(self._logprob_entry(seq, token, logprob, top))
+            seq.pending_logprobs.append(logprob_entry(self.token_text, token, logprob, top,
+                                                      req.params.skip_special_tokens))
 
     @staticmethod
     def _held_back_text(seq: Sequence) -> str:
         """At a sequence's end: the text held back as a possible stop-string start or an
         unfinished character, which no later token can complete now."""
         return seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
-
-    def token_text(self, token: int, skip_special_tokens: bool = False) -> str:
-        """One token decoded on its own, as logprobs report it (cached: 1 + top-k per token)."""
-        key = (token, skip_special_tokens)
-        text = self._token_texts.get(key)
-        if text is None:
-            text = self._token_texts[key] = self.tokenizer.decode([token], skip_special_tokens=skip_special_tokens)
-        return text
-
-    def _logprob_entry(self, seq: Sequence, token: int, logprob: float, top) -> dict:
-        skip = seq.request.params.skip_special_tokens
-        return {"token": self.token_text(token, skip), "logprob": logprob,
-                "top": [[self.token_text(tid), lp] for tid, lp in top or []]}
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
@@ -366,36 +355,15 @@ class Engine:
                 continue
             if not seq.pending_ids and not finishing:
                 continue
-            outputs.append(self._output(seq, finishing))
+            outputs.append(step_output(seq, finishing))
         if all_done:
             self.scheduler.remove(req)
             req.done = True
             if not outputs:
-                outputs.append(self._output(req.sequences[0], True, empty=True))
+                outputs.append(step_output(req.sequences[0], True, empty=True))
             outputs[-1].final = True
         for out in outputs:
             req.emit(out)
-
-    def _output(self, seq: Sequence, finishing: bool, empty: bool = False) -> StepOutput:
-        req = seq.request
-        if finishing:
-            batch, waits = list(req.batch_sizes), list(req.queue_waits_us)
-        else:
-            batch, waits = req.batch_sizes[-1:], req.queue_waits_us[-1:]
-        out = StepOutput(
-            index=seq.index, text="" if empty else seq.pending_text,
-            token_ids=[] if empty else list(seq.pending_ids),
-            finish_reason=seq.finish_reason if finishing else "",
-            prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
-            completion_tokens=seq.num_generated, cumulative_logprob=seq.cumulative_logprob,
-            seed=req.seed, batch_size=batch, queue_wait_us=waits,
-            logprobs=list(seq.pending_logprobs) if req.params.logprobs is not None else None,
-            final=False, first_token_time=seq.first_token_time,
-        )
-        seq.text += seq.pending_text
-        seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
-        seq.reported = finishing
-        return out
 
     def _finish_request(self, req: Request, reason: str) -> None:
         for seq in req.sequences:
