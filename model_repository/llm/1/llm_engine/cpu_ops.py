@@ -36,15 +36,15 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
 ABI_VERSION = 4
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-# The long kernels (paged attention, and the AMX Linear, which releases it by the same
-# handle) let go of the GIL while they run, so the Python stub's sender thread can build
+# The long kernels (paged attention and the AMX Linear; C symbol prefixes) let go of the
+# GIL while they run, so the Python stub's sender thread can build
 # and send responses meanwhile instead of waiting for the engine thread to hand it over;
 # at 32 streams on a 2-core Sapphire Rapids, over eight runs taking turns (15 s loads and
 # full bench runs), the stack served 361-387 tokens/s with them releasing it against
 # 329-371 without (means 376 and 346); the engine alone did not change beyond its noise
 # (558-646 against 594-687). The short ones keep it: each retake could wait behind the
 # sender thread.
-RELEASE_GIL = {"paged_attention"}
+RELEASE_GIL = ("paged_attention", "linear_amx_bf16")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
@@ -114,21 +114,21 @@ class CpuOps:
     def __init__(self, lib: ctypes.PyDLL, lib_nogil: ctypes.CDLL, dtype: torch.dtype):
         suffix = _SUFFIX[dtype]
         self.dtype = dtype
-        self._set_threads = lib.cpu_ops_set_threads
-        self._set_threads.argtypes, self._set_threads.restype = [ctypes.c_int], None
+
+        def bind(symbol: str, argtypes: list, restype=None):
+            fn = getattr(lib_nogil if symbol.startswith(RELEASE_GIL) else lib, symbol)
+            fn.argtypes, fn.restype = argtypes, restype
+            return fn
+
+        self._set_threads = bind("cpu_ops_set_threads", [ctypes.c_int])
         for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib_nogil if name in RELEASE_GIL else lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, None
-            setattr(self, f"_{name}", fn)
+            setattr(self, f"_{name}", bind(f"{name}_{suffix}", argtypes))
         self._linear_row = self._linear_amx = None
         if dtype == torch.float32:
-            self._linear_row = lib.linear_row_f32
-            self._linear_row.argtypes, self._linear_row.restype = [_P, _P, _P, _P, _I, _I], None
-        elif _amx_granted(lib):
-            self._linear_amx = lib_nogil.linear_amx_bf16
-            self._linear_amx.argtypes, self._linear_amx.restype = [_P, _P, _P, _P, _I, _I, _I], None
-            self._amx_pack = lib.linear_amx_bf16_pack
-            self._amx_pack.argtypes, self._amx_pack.restype = [_P, _P, _I, _I], None
+            self._linear_row = bind("linear_row_f32", [_P, _P, _P, _P, _I, _I])
+        elif bind("linear_amx_bf16_init", [], ctypes.c_int)():  # built for AMX, and Linux granted the tiles
+            self._linear_amx = bind("linear_amx_bf16", [_P, _P, _P, _P, _I, _I, _I])
+            self._amx_pack = bind("linear_amx_bf16_pack", [_P, _P, _I, _I])
 
     def set_threads(self, threads: int) -> None:
         """How many threads a call with enough work is split over (process-wide; 1 at load)."""
@@ -195,12 +195,6 @@ class CpuOps:
         if m:
             self._linear_amx(x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), m, n, k)
         return out
-
-
-def _amx_granted(lib: ctypes.PyDLL) -> bool:
-    """Was the library built for AMX-BF16, and did Linux grant this process the tile state?"""
-    lib.linear_amx_bf16_init.argtypes, lib.linear_amx_bf16_init.restype = [], ctypes.c_int
-    return bool(lib.linear_amx_bf16_init())
 
 
 _library: tuple[ctypes.PyDLL, ctypes.CDLL] | None = None
