@@ -9,6 +9,7 @@ from llm_engine.config import Settings
 
 from adapter.app import create_app
 from tests.unit import test_protocol_completions as completions_cases
+from tests.unit import test_protocol_completions_accepted as completions_accepted
 from tests.unit import test_protocol_infer as infer_cases
 
 
@@ -124,7 +125,7 @@ def test_the_schema_rejects_what_validation_rejects(doc, endpoint, body, message
                                best_of=3, logprobs=5, max_tokens=2**31 - 1, repetition_penalty=2,
                                presence_penalty=-2, frequency_penalty=2, ignore_eos=False, stream=False,
                                skip_special_tokens=True, response_format={"type": "text"}, unknown=1)),
-    ("CompletionRequest", dict(completions_cases.BASE, **dict.fromkeys(completions_cases.OPTIONAL_FIELDS))),
+    ("CompletionRequest", dict(completions_cases.BASE, **dict.fromkeys(completions_accepted.OPTIONAL_FIELDS))),
     ("InferRequest", infer_cases.BASE),
     ("InferRequest", {"input_id": [0, 1048576]}),
     ("InferRequest", {"inputs": "x", "input_id": None, "stream": None, "parameters": None}),
