@@ -40,11 +40,18 @@ def test_two_instances_share_the_load(tmp_path, monkeypatch):
 
         with ThreadPoolExecutor(8) as pool:
             assert all(r.status_code == 200 for r in pool.map(call, range(16)))
+        # each engine pushes its counters a few times a second, so the last ones may lag the responses
         per_instance = {}
-        for line in httpx.get(stack.metrics_url).text.splitlines():
-            if line.startswith("llm_generation_tokens_total{"):
-                instance = re.search(r'instance="([^"]+)"', line).group(1)
-                per_instance[instance] = float(line.rsplit(" ", 1)[1])
+
+        def every_token_counted() -> bool:
+            per_instance.clear()
+            for line in httpx.get(stack.metrics_url).text.splitlines():
+                if line.startswith("llm_generation_tokens_total{"):
+                    instance = re.search(r'instance="([^"]+)"', line).group(1)
+                    per_instance[instance] = float(line.rsplit(" ", 1)[1])
+            return sum(per_instance.values()) == 16 * 8
+
+        assert wait_for(every_token_counted, timeout=5), per_instance
         assert len(per_instance) == 2, per_instance
         assert all(v > 0 for v in per_instance.values()), per_instance
         # two engines would share the pinned cores: the launcher leaves every thread unpinned

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import time
 
 import torch
 
-from .linear import make_linear
+from .dtype_probe import cpu_dtype
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +60,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def select_dtype(name: str, device: torch.device, hidden: int = 576, inter: int = 1536) -> torch.dtype:
-    """Resolve ``auto``: bf16 on accelerators; on CPU, whichever Linear is faster at batch 16.
-
-    The probe times the same kernels the runner will use (:func:`make_linear`), since
-    bf16 weights are prepacked on CPU and fp32 ones are not.
-    """
+    """Resolve ``auto``: bf16 on accelerators; on CPU, whichever Linear is faster at 16 rows
+    on this machine (:mod:`.dtype_probe`)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type != "cpu":
         return torch.bfloat16
-    timings = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    weight = torch.randn(inter, hidden) * hidden**-0.5
-    layers = {dt: make_linear(weight.to(dt)) for dt in timings}
-    with torch.inference_mode():
-        for _ in range(5):  # best of five rounds, interleaved, so a busy moment does not decide
-            for dt, lin in layers.items():
-                x = torch.randn(16, hidden, dtype=dt)
-                lin(x)
-                t0 = time.perf_counter()
-                for _ in range(30):
-                    lin(x)
-                timings[dt] = min(timings[dt], time.perf_counter() - t0)
-    best = min(timings, key=timings.get)
-    log.info("dtype auto: fp32 %.2f ms, bf16 %.2f ms per 30 Linear calls -> %s",
-             timings[torch.float32] * 1e3, timings[torch.bfloat16] * 1e3, best)
-    return best
+    return cpu_dtype(hidden, inter)

@@ -7,6 +7,8 @@ converted once into a plain HF folder under the cache directory
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -14,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -25,6 +28,20 @@ CACHE_ENV = "MINDIE_TRITON_CACHE"
 
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mindie-triton")
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold ``<cache>/<name>.lock`` exclusively: the model instances of one server load at
+    the same time, and one-time work in the cache (a conversion, a probe) must run once."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def default_gguf_path() -> Path:
@@ -70,8 +87,19 @@ def resolve_model_dir(weight_path: str = "") -> Path:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise ``gguf`` once into an fp32 HF folder in the cache; return that folder."""
     target = cache_root() / f"{gguf.stem}-{_fingerprint(gguf)}"
-    if (target / "config.json").is_file() and (target / ".complete").is_file():
+    if _converted(target):
         return target
+    with cache_lock(target.name):
+        if _converted(target):  # another instance converted it while this one waited
+            return target
+        return _convert(gguf, target)
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / ".complete").is_file()
+
+
+def _convert(gguf: Path, target: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to an HF checkpoint in %s (one time, ~30 s)", gguf, target)

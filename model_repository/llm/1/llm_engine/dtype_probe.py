@@ -1,0 +1,100 @@
+"""``dtype: auto`` on CPU: time fp32 against bf16 Linear layers once per machine, remember the verdict.
+
+On one CPU fp32 wins; on another (AVX512_BF16, AMX) bf16 Linear layers run 2-3x faster.
+The model instances of one server load at the same time, and two probes running side by
+side on a small machine each read the other's load (one read 232 ms for both dtypes where
+the quiet probe read 17). They then picked different dtypes, and a seeded request's text
+depended on which instance ran it. So the probe runs under a lock in the cache directory,
+and its verdict is kept there, keyed by what decides it (CPU, torch build, threads,
+layer shape): every instance and every restart on the machine uses the same dtype.
+Delete the verdict file, or set ``dtype`` explicitly, to decide again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from .linear import make_linear
+from .weights import cache_lock, cache_root
+
+log = logging.getLogger(__name__)
+
+VERDICTS = "dtype-auto.json"
+_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cpu_dtype(hidden: int, inter: int) -> torch.dtype:
+    """The faster of fp32 and bf16 for a ``hidden`` x ``inter`` Linear at 16 rows on this machine."""
+    key = machine_key(hidden, inter)
+    path = cache_root() / VERDICTS
+    with cache_lock("dtype-auto"):
+        verdicts = _read(path)
+        known = verdicts.get(key)
+        if known and known.get("dtype") in _NAMES:
+            log.info("dtype auto: %s, as measured on this machine before (fp32 %.2f ms, bf16 %.2f ms "
+                     "per 30 Linear calls; delete %s to measure again)", known["dtype"],
+                     known.get("fp32_ms", float("nan")), known.get("bf16_ms", float("nan")), path)
+            return _NAMES[known["dtype"]]
+        timings = time_linears(hidden, inter)
+        best = min(timings, key=timings.get)
+        name = str(best).removeprefix("torch.")
+        verdicts[key] = {"dtype": name, "fp32_ms": round(timings[torch.float32] * 1e3, 3),
+                         "bf16_ms": round(timings[torch.bfloat16] * 1e3, 3)}
+        _write(path, verdicts)
+    log.info("dtype auto: fp32 %.2f ms, bf16 %.2f ms per 30 Linear calls -> %s (kept in %s)",
+             timings[torch.float32] * 1e3, timings[torch.bfloat16] * 1e3, name, path)
+    return best
+
+
+def time_linears(hidden: int, inter: int) -> dict[torch.dtype, float]:
+    """Best of five interleaved rounds of 30 calls each, in seconds, per dtype.
+
+    It times the kernels the runner will use (:func:`make_linear`): bf16 weights are
+    prepacked on CPU and fp32 ones are not."""
+    timings = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    weight = torch.randn(inter, hidden) * hidden**-0.5
+    layers = {dt: make_linear(weight.to(dt)) for dt in timings}
+    with torch.inference_mode():
+        for _ in range(5):  # interleaved, so a busy moment does not decide
+            for dt, lin in layers.items():
+                x = torch.randn(16, hidden, dtype=dt)
+                lin(x)
+                t0 = time.perf_counter()
+                for _ in range(30):
+                    lin(x)
+                timings[dt] = min(timings[dt], time.perf_counter() - t0)
+    return timings
+
+
+def machine_key(hidden: int, inter: int) -> str:
+    """What the verdict depends on: the CPU (model and flags), torch's build, threads, shape."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("flags")), "")
+        cpu = f"{model} {hashlib.sha1(' '.join(sorted(flags.split())).encode()).hexdigest()[:12]}"
+    except OSError:
+        pass
+    return f"{cpu} | torch {torch.__version__} | threads {torch.get_num_threads()} | {hidden}x{inter}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, verdicts: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(verdicts, indent=2, sort_keys=True))
+    tmp.replace(path)

@@ -1,0 +1,111 @@
+"""``dtype: auto`` on CPU: measured once per machine under a lock, and every instance agrees."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+
+import pytest
+import torch
+from llm_engine import dtype_probe
+from llm_engine.device import select_dtype
+from llm_engine.weights import CACHE_ENV, cache_lock
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_the_verdict_is_measured_once_and_kept(cache, monkeypatch):
+    first = select_dtype("auto", torch.device("cpu"), 64, 128)
+    assert first in (torch.float32, torch.bfloat16)
+    kept = json.loads((cache / dtype_probe.VERDICTS).read_text())
+    assert list(kept) == [dtype_probe.machine_key(64, 128)]
+    entry = kept[dtype_probe.machine_key(64, 128)]
+    assert entry["dtype"] == str(first).removeprefix("torch.")
+    assert entry["fp32_ms"] > 0 and entry["bf16_ms"] > 0
+
+    def no_second_probe(*args):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(dtype_probe, "time_linears", no_second_probe)
+    assert select_dtype("auto", torch.device("cpu"), 64, 128) == first
+    assert select_dtype("float32", torch.device("cpu"), 64, 128) == torch.float32  # explicit wins
+    assert select_dtype("auto", torch.device("cuda"), 64, 128) == torch.bfloat16  # no probe off CPU
+
+
+def test_another_shape_or_thread_count_is_measured_on_its_own(cache):
+    select_dtype("auto", torch.device("cpu"), 64, 128)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        select_dtype("auto", torch.device("cpu"), 64, 128)
+    finally:
+        torch.set_num_threads(threads)
+    select_dtype("auto", torch.device("cpu"), 64, 256)
+    assert len(json.loads((cache / dtype_probe.VERDICTS).read_text())) == 3
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"%s": {"dtype": "int8"}}'])
+def test_an_unreadable_verdict_is_measured_again(cache, content):
+    key = dtype_probe.machine_key(64, 128)
+    (cache / dtype_probe.VERDICTS).write_text(content.replace("%s", key))
+    assert select_dtype("auto", torch.device("cpu"), 64, 128) in (torch.float32, torch.bfloat16)
+    assert json.loads((cache / dtype_probe.VERDICTS).read_text())[key]["dtype"] in ("float32", "bfloat16")
+
+
+def _probe_in_a_process(cache: str, out) -> None:
+    import os
+
+    os.environ[CACHE_ENV] = cache
+    torch.set_num_threads(2)
+    calls = []
+    real = dtype_probe.time_linears
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    dtype_probe.time_linears = counted
+    out.put((str(dtype_probe.cpu_dtype(64, 128)), len(calls)))
+
+
+def test_instances_loading_together_measure_once_and_agree(cache):
+    """Two instances of one model load side by side: before the lock, each probe read the
+    other's load (232 ms for both dtypes, against 17 quiet) and they chose differently."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_probe_in_a_process, args=(str(cache), out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert len({dtype for dtype, _ in results}) == 1, results
+    assert sum(measured for _, measured in results) == 1, results
+
+
+def test_the_cache_lock_excludes_another_process(cache):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with cache_lock("probe"):
+        p = ctx.Process(target=_take_lock, args=(str(cache), out))
+        p.start()
+        time.sleep(1.0)
+        assert out.empty()  # still waiting for the lock
+        held_until = time.time()
+    taken_at = out.get(timeout=30)
+    p.join(timeout=30)
+    assert taken_at >= held_until
+
+
+def _take_lock(cache: str, out) -> None:
+    import os
+
+    os.environ[CACHE_ENV] = cache
+    with cache_lock("probe"):
+        out.put(time.time())
