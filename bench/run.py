@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _import_paths()
 
+    from llm_engine.cpu_cores import in_a_passing_thread
+
     from bench.engine_alone import engine_alone
     from bench.llama_server import SYSTEM as LLAMA_SERVER
     from bench.llama_server import find_binary, run_llama_server
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     log.info("workload: %s; load average %.2f", workload, load_start[0])
 
-    machine = measure(quick=workload.quick)
+    # The probes' OpenMP workers must not outlive them: with a second pool beside the engine's
+    # (the engine alone runs in this process), libgomp stops spinning and every region waits.
+    machine = in_a_passing_thread(measure, workload.quick)
     results = []
     with Stack(out / "stack.log", args.config) as stack:
         stack_dtype, dtype_auto = stack.engine_dtype(), stack.dtype_decision()
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("peer llama-server failed")
             results.append(RunResult(system=LLAMA_SERVER, concurrency=0, note=f"failed: {exc}"))
 
-    machine_start, machine_end = machine, measure(quick=workload.quick)  # again, after the systems ran
+    machine_start, machine_end = machine, in_a_passing_thread(measure, workload.quick)  # again, after the systems ran
     machine = machine_start.best_of(machine_end)
     checks = compare(results, machine, fp32_bytes)
     write_csv(out / "results.csv", results)

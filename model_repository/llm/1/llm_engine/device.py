@@ -42,8 +42,14 @@ def select_device(kind: str = "auto", device_id: int = 0) -> torch.device:
 def use_in_this_thread(device: torch.device) -> None:
     """Make ``device`` the calling thread's current one. A new thread starts on device 0,
     so the engine's own thread would otherwise open a context (and its memory) on the
-    first GPU or NPU whatever device its instance was given."""
-    if device.type == "cuda":
+    first GPU or NPU whatever device its instance was given.
+
+    On CPU, carry torch's intra-op thread count into this thread: OpenMP keeps it per
+    thread, and a new one starts at one per CPU, which oneDNN and MKL then used whatever
+    ``cpuThreads`` said (torch's own parallel loops read the process-wide count)."""
+    if device.type == "cpu":
+        torch.set_num_threads(torch.get_num_threads())
+    elif device.type == "cuda":
         torch.cuda.set_device(device)
     elif device.type == "npu":
         torch.npu.set_device(device)

@@ -9,7 +9,7 @@ import torch
 
 from .admission import EngineLimits
 from .config import Settings
-from .cpu_cores import fused_kernels_expected, plan_split, select_cpu_threads
+from .cpu_cores import fused_kernels_expected, in_a_passing_thread, plan_split, select_cpu_threads
 from .device import select_device, select_dtype
 from .engine import Engine
 from .kv_cache import BlockManager
@@ -23,7 +23,16 @@ REQUIRED_MODULES = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 
 def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances: int = 1) -> Engine:
-    """``instances``: how many engines this model runs on the machine (Triton's instance count)."""
+    """``instances``: how many engines this model runs on the machine (Triton's instance count).
+
+    The loading runs in a thread of its own, so that the OpenMP workers it starts end with
+    it and the engine thread's are the process's only ones (see :func:`in_a_passing_thread`)."""
+    engine = in_a_passing_thread(_build_engine, settings, device_id, metrics, instances)
+    torch.set_grad_enabled(False)  # in the caller's thread, as before (grad mode is per thread)
+    return engine
+
+
+def _build_engine(settings: Settings, device_id: int, metrics, instances: int) -> Engine:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.monotonic()
@@ -81,5 +90,4 @@ def build_engine(settings: Settings, device_id: int = 0, metrics=None, instances
         deploy.maxSeqLen, sched.maxIterTimes, sched.enablePrefixCache, eos_ids, limits.default_top_k,
         limits.default_temperature,
     )
-    torch.set_grad_enabled(False)
     return engine
