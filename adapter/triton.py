@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 log = logging.getLogger(__name__)
 RECONNECT_BACKOFF_MS = (250, 2000)  # first and longest wait between reconnection attempts
 STUB_RECOVERY_SECONDS = 15.0  # report not-ready this long after an unhealthy-stub error
+STREAM_END_SECONDS = 5.0  # how long a finished request's stream may take to end before it is cancelled
 
 
 # One response of the ``llm`` model: the wire carries exactly the engine's StepOutput
@@ -142,6 +143,7 @@ class TritonClient:
         self._client: InferenceServerClient | None = None
         self._ready_cache: tuple[float, bool] = (0.0, False)
         self._broken_until = 0.0  # set when Triton reports the model's stub unhealthy
+        self._ending: set[asyncio.Task] = set()  # streams read to their end after the final response
 
     def _get(self) -> InferenceServerClient:
         if self._client is None:
@@ -149,6 +151,8 @@ class TritonClient:
         return self._client
 
     async def close(self) -> None:
+        for task in list(self._ending):
+            task.cancel()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -209,6 +213,7 @@ class TritonClient:
                 if error is not None:
                     status, message = parse_error(str(error.message() if hasattr(error, "message") else error))
                     finished = True
+                    self._end_quietly(call)
                     if "is not healthy" in message:  # the Python stub died; Triton still says ready
                         self._broken_until = time.monotonic() + STUB_RECOVERY_SECONDS
                         self.invalidate()
@@ -217,11 +222,13 @@ class TritonClient:
                         status = 503
                     raise TritonError(status, message)
                 chunk = _chunk(result)
-                yield chunk
                 if chunk.final:
                     finished = True
                     self._answered()
+                    self._end_quietly(call)
+                    yield chunk
                     return
+                yield chunk
             finished = True
             raise TritonUnavailable("the model stream ended without a final response")
         except InferenceServerException as exc:
@@ -235,3 +242,33 @@ class TritonClient:
         finally:
             if not finished:
                 call.cancel()
+
+    def _end_quietly(self, call) -> None:
+        """Read a finished request's stream to its end in the background.
+
+        Dropped instead, the call is cancelled when it is collected (grpc.aio does that),
+        just after Triton wrote the final response. A cancel that reached Triton's stream
+        handler before it had completed the RPC left that RPC waiting for a callback that
+        never came, and it kept the model referenced: at shutdown tritonserver then waited
+        out its exit timeout with the model UNLOADING, never finalised it, and the stub
+        was orphaned (in about 1 shutdown in 5 after traffic, with verbose logs)."""
+        task = asyncio.get_running_loop().create_task(_read_to_end(call))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+
+async def _read_to_end(call) -> None:
+    """Wait for Triton to end the stream (this client half-closed it after its one request);
+    cancel it only if it has not ended in :data:`STREAM_END_SECONDS`."""
+
+    async def drain() -> None:
+        async for _ in call:
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), STREAM_END_SECONDS)
+    except asyncio.TimeoutError:
+        log.warning("a finished request's gRPC stream did not end in %.0f s; cancelling it", STREAM_END_SECONDS)
+        call.cancel()
+    except (grpc.RpcError, InferenceServerException, StopAsyncIteration):
+        pass  # it ended, one way or another

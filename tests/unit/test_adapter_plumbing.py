@@ -348,3 +348,59 @@ def test_a_finished_generation_overrides_a_cached_not_ready():
         assert await client.ready()
 
     asyncio.run(scenario())
+
+
+def test_a_finished_requests_stream_is_read_to_its_end_not_cancelled(monkeypatch):
+    """Dropping the stream after the final response cancelled it as Triton completed it,
+    which left the RPC stuck holding the model: shutdown then never unloaded it."""
+    import numpy as np
+
+    from adapter import triton
+    from adapter.triton import TritonClient
+
+    class Call:
+        def __init__(self, ends: bool):
+            self.items = [_triton_response({"text_output": np.array([b"a"], dtype=object)}, final=False),
+                          _triton_response({"text_output": np.array([b"b"], dtype=object)}, final=True)]
+            self.ends, self.ended, self.cancelled = ends, asyncio.Event(), False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.items:
+                return self.items.pop(0), None
+            if not self.ends:
+                await asyncio.sleep(3600)
+            self.ended.set()
+            raise StopAsyncIteration
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Upstream:
+        def __init__(self, call):
+            self.call = call
+
+        def stream_infer(self, _requests):
+            return self.call
+
+    monkeypatch.setattr(triton, "STREAM_END_SECONDS", 0.2)
+
+    async def scenario(call: Call) -> list[str]:
+        client = TritonClient("127.0.0.1:1", "m")
+        client._client = Upstream(call)
+        texts = []
+        async for chunk in client.generate("r1", {}, prompt_text="hi"):
+            texts.append(chunk.text)
+            if chunk.final:
+                break  # the caller leaves at the final response, as the endpoints do
+        await asyncio.sleep(0.5)
+        return texts
+
+    ends = Call(ends=True)
+    assert asyncio.run(scenario(ends)) == ["a", "b"]
+    assert ends.ended.is_set() and not ends.cancelled
+    hangs = Call(ends=False)  # a stream that never ends is cancelled after STREAM_END_SECONDS
+    assert asyncio.run(scenario(hangs)) == ["a", "b"]
+    assert hangs.cancelled
