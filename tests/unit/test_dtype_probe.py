@@ -109,3 +109,10 @@ def _take_lock(cache: str, out) -> None:
     os.environ[CACHE_ENV] = cache
     with cache_lock("probe"):
         out.put(time.time())
+
+
+def test_a_read_only_cache_still_gets_a_measured_dtype(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv(CACHE_ENV, str(blocked))
+    assert select_dtype("auto", torch.device("cpu"), 64, 128) in (torch.float32, torch.bfloat16)

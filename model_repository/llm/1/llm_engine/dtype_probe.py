@@ -34,23 +34,34 @@ def cpu_dtype(hidden: int, inter: int) -> torch.dtype:
     """The faster of fp32 and bf16 for a ``hidden`` x ``inter`` Linear at 16 rows on this machine."""
     key = machine_key(hidden, inter)
     path = cache_root() / VERDICTS
-    with cache_lock("dtype-auto"):
-        verdicts = _read(path)
-        known = verdicts.get(key)
-        if known and known.get("dtype") in _NAMES:
-            log.info("dtype auto: %s, as measured on this machine before (fp32 %.2f ms, bf16 %.2f ms "
-                     "per 30 Linear calls; delete %s to measure again)", known["dtype"],
-                     known.get("fp32_ms", float("nan")), known.get("bf16_ms", float("nan")), path)
-            return _NAMES[known["dtype"]]
-        timings = time_linears(hidden, inter)
-        best = min(timings, key=timings.get)
-        name = str(best).removeprefix("torch.")
-        verdicts[key] = {"dtype": name, "fp32_ms": round(timings[torch.float32] * 1e3, 3),
-                         "bf16_ms": round(timings[torch.bfloat16] * 1e3, 3)}
-        _write(path, verdicts)
-    log.info("dtype auto: fp32 %.2f ms, bf16 %.2f ms per 30 Linear calls -> %s (kept in %s)",
-             timings[torch.float32] * 1e3, timings[torch.bfloat16] * 1e3, name, path)
-    return best
+    try:
+        with cache_lock("dtype-auto"):
+            verdicts = _read(path)
+            known = verdicts.get(key)
+            if known and known.get("dtype") in _NAMES:
+                log.info("dtype auto: %s, as measured on this machine before (fp32 %.2f ms, bf16 %.2f ms "
+                         "per 30 Linear calls; delete %s to measure again)", known["dtype"],
+                         known.get("fp32_ms", float("nan")), known.get("bf16_ms", float("nan")), path)
+                return _NAMES[known["dtype"]]
+            best, timings = _measure(hidden, inter)
+            verdicts[key] = {"dtype": str(best).removeprefix("torch."),
+                             "fp32_ms": round(timings[torch.float32] * 1e3, 3),
+                             "bf16_ms": round(timings[torch.bfloat16] * 1e3, 3)}
+            _write(path, verdicts)
+            log.info("dtype auto: kept in %s", path)
+            return best
+    except OSError as exc:  # a read-only cache: measure, and keep nothing
+        log.warning("dtype auto: the cache directory is not usable (%s); instances loading together "
+                    "may measure each other's load", exc)
+        return _measure(hidden, inter)[0]
+
+
+def _measure(hidden: int, inter: int) -> tuple[torch.dtype, dict[torch.dtype, float]]:
+    timings = time_linears(hidden, inter)
+    best = min(timings, key=timings.get)
+    log.info("dtype auto: fp32 %.2f ms, bf16 %.2f ms per 30 Linear calls -> %s",
+             timings[torch.float32] * 1e3, timings[torch.bfloat16] * 1e3, str(best).removeprefix("torch."))
+    return best, timings
 
 
 def time_linears(hidden: int, inter: int) -> dict[torch.dtype, float]:
