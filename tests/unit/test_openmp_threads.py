@@ -19,7 +19,7 @@ from llm_engine.cpu_cores import in_a_passing_thread
 from tests.conftest import ROOT
 
 POOLS = textwrap.dedent("""
-    import ctypes, os, sys, threading
+    import ctypes, os, sys, threading, time
     sys.path.insert(0, {engine!r})
     import torch
     from llm_engine.cpu_cores import in_a_passing_thread
@@ -33,6 +33,10 @@ POOLS = textwrap.dedent("""
         return int(torch.ones(2048, 2048).sum())
     before = tasks()
     assert in_a_passing_thread(work) == 2048 * 2048
+    # join() returns before the OS thread has run its exit, where libgomp ends its pool
+    deadline = time.monotonic() + 10
+    while tasks() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
     after_passing = tasks()
     work()
     after_here = tasks()
