@@ -256,3 +256,40 @@ def test_next_within_hands_on_items_and_times_out_a_stalled_source():
         return first
 
     assert asyncio.run(run()) == 1
+
+
+def test_a_short_body_is_parsed_on_the_event_loop_and_a_long_one_in_a_worker_thread():
+    import threading
+    from types import SimpleNamespace
+
+    from adapter.service import INLINE_PARSE_BYTES, Service
+
+    threads = []
+
+    def parser(raw, settings, tokenize, vocab_size):
+        threads.append(threading.get_ident())
+        return SimpleNamespace(prompt_ids=None, prompt_text=raw.decode(), tokens=tokenize(raw.decode()))
+
+    svc = SimpleNamespace(settings=None, vocab_size=10, tokenizer=lambda text: SimpleNamespace(input_ids=[len(text)]))
+
+    async def run():
+        loop_thread = threading.get_ident()
+        short = await Service.plan(svc, parser, b"x" * INLINE_PARSE_BYTES)
+        long = await Service.plan(svc, parser, b"x" * (INLINE_PARSE_BYTES + 1))
+        return loop_thread, short, long
+
+    loop_thread, short, long = asyncio.run(run())
+    assert threads[0] == loop_thread and threads[1] != loop_thread
+    # the text was tokenized once, in the parser, and the plan carries those ids
+    assert short.prompt_ids == [INLINE_PARSE_BYTES] and long.prompt_ids == [INLINE_PARSE_BYTES + 1]
+
+
+def test_a_stalled_write_times_out_through_the_same_deadline_as_the_model_wait():
+    from adapter.service import within
+
+    async def run():
+        assert await within(asyncio.sleep(0, result=7), 1.0) == 7
+        with pytest.raises(asyncio.TimeoutError):
+            await within(asyncio.sleep(10), 0.05)
+
+    asyncio.run(run())
