@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from bench.cpu import CpuMeter, shares
 from bench.stats import ENGINE, STACK, STAGGERED, RunResult, StreamTrace, from_traces
 from bench.workload import Workload, make_prompts
 
@@ -168,36 +169,47 @@ async def drive_completions(base_url: str, model: str, workload: Workload, syste
 
 
 async def drive_stack_and_engine(base_url: str, model: str, engine_send: SendRequest, workload: Workload,
-                                 dtype: str) -> list[RunResult]:
-    """The stack and the engine alone, taking turns (see :func:`drive`); the stack also staggered."""
+                                 dtype: str, meter: CpuMeter | None = None) -> list[RunResult]:
+    """The stack and the engine alone, taking turns (see :func:`drive`); the stack also staggered,
+    and its processes' CPU read by ``meter`` around its turns."""
     async with http_client() as client:
         systems = {STACK: completions_sender(client, base_url, model), ENGINE: engine_send}
-        return await drive(systems, workload, dtype, stagger=(STACK,))
+        return await drive(systems, workload, dtype, stagger=(STACK,), meters={STACK: meter} if meter else None)
 
 
 async def drive(systems: dict[str, SendRequest], workload: Workload, dtype: str,
-                stagger: tuple[str, ...] = ()) -> list[RunResult]:
+                stagger: tuple[str, ...] = (), meters: dict[str, CpuMeter] | None = None) -> list[RunResult]:
     """Every system at each concurrency of ``workload``, after a warm-up each (:func:`warm_up`).
 
     The prompts of a level are split into ``workload.repeats`` parts, and the systems take
     turns over them in A B B A order, so that a machine whose speed drifts within minutes
     shifts every system alike; each system's parts are pooled into one result. Systems
-    named in ``stagger`` also get the staggered run at ``workload.staggered`` levels.
+    named in ``stagger`` also get the staggered run at ``workload.staggered`` levels. A
+    system with a meter in ``meters`` gets its processes' CPU over its turns in ``RunResult.cpu``.
     """
+    meters = meters or {}
     for send in systems.values():
         await warm_up(send, max(workload.concurrencies))
     results = []
     for c in workload.concurrencies:
         prompts = workload.prompts_for(c)
         pooled: dict[str, tuple[list[StreamTrace], float]] = {name: ([], 0.0) for name in systems}
+        cpu: dict[str, dict[str, float]] = {name: {} for name in systems}
         for part in range(workload.repeats):
             order = list(systems) if part % 2 == 0 else list(reversed(systems))
             for name in order:
+                meter = meters.get(name)
+                before = meter.read() if meter else None
                 traces, wall = await closed_loop(_one(systems[name], workload.max_tokens),
                                                  prompts[part::workload.repeats], c)
+                if meter:
+                    for group, s in meter.spent(before, meter.read()).items():
+                        cpu[name][group] = cpu[name].get(group, 0.0) + s
                 pooled[name] = (pooled[name][0] + traces, pooled[name][1] + wall)
         for name, (traces, wall) in pooled.items():
             res = from_traces(name, c, dtype, traces, wall)
+            if cpu[name]:
+                res.cpu = shares(cpu[name], wall, res.output_tokens)
             log_result(res, traces)
             results.append(res)
             if name in stagger and c in workload.staggered:

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from llm_engine.cpu_cores import in_a_passing_thread
 
+    from bench.cpu import CpuMeter, cpu_table
     from bench.engine_alone import engine_alone
     from bench.llama_server import SYSTEM as LLAMA_SERVER
     from bench.llama_server import find_binary, run_llama_server
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         write_checks_csv,
         write_csv,
     )
-    from bench.stack import Stack
-    from bench.stats import RunResult
+    from bench.stack import Stack, descendants
+    from bench.stats import STACK, RunResult
     from bench.workload import FULL, QUICK
 
     if args.llama_server:
@@ -110,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("the stack's engine runs %s (%s)", stack_dtype or "an unknown dtype (no 'engine ready' log line)",
                  dtype_auto or "dtype set in the settings")
         with engine_alone(args.config, stack_dtype) as engine_send, clients_on(stack.rest_cpus()):
+            meter = CpuMeter(lambda: [stack.proc.pid, *descendants(stack.proc.pid)])
             results += asyncio.run(drive_stack_and_engine(stack.base_url, stack.model_name, engine_send, workload,
-                                                          stack_dtype))
+                                                          stack_dtype, meter))
     gc.collect()
     peer_results, fp32_bytes = run_peers(workload)
     results += peer_results
@@ -131,12 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     title = f"{started:%Y-%m-%d} {machine.cpu_model}, {machine.cores} cores" + (" (quick)" if args.quick else "")
     plot(out / "results.png", results, title)
     load_end = os.getloadavg()
+    stack_cpu = {r.concurrency: r.cpu for r in results if r.system == STACK and r.cpu}
     summary = {"date": started.isoformat(timespec="seconds"), "duration_s": round(time.monotonic() - t0, 1),
                "loadavg_1m_start": load_start[0], "loadavg_1m_end": load_end[0],
                "stack_dtype": stack_dtype, "stack_dtype_auto": dtype_auto, "stack_torch_threads": stack_threads,
                "machine": machine.as_dict(), "machine_probes": [machine_start.as_dict(), machine_end.as_dict()],
                "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
                "results": [r.summary() for r in results],
+               "stack_cpu": {str(c): groups for c, groups in stack_cpu.items()},
                "checks": [{"name": c.name, "value": c.value, "target": c.target, "status": c.status,
                            "detail": c.note} for c in checks]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -147,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(other work on the machine skews every number)\n")
     print(results_table(results), end="\n\n")
     print(checks_table(checks), end="\n\n")
+    if stack_cpu:
+        print("CPU of the stack's processes during its turns (% of one core; CPU ms per output token):\n")
+        print(cpu_table(stack_cpu), end="\n\n")
     failed = sum(r.errors for r in results)
     if failed:
         log.warning("%d requests failed (see the logs above and %s): the affected rows are not valid",

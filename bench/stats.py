@@ -63,6 +63,7 @@ class RunResult:
     itl_s: list[float] = field(default_factory=list)
     errors: int = 0
     note: str = ""
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)  # per process group (bench.cpu.shares)
 
     @property
     def skipped(self) -> bool:
