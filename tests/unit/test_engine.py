@@ -305,3 +305,38 @@ def test_prompts_prefilled_together_match_each_alone(engine):
     together = [Run(engine, p, max_tokens=6, temperature=0, ignore_eos=True) for p in prompts]
     assert [r.wait().text() for r in together] == alone
     assert max(together[-1].outputs[0].batch_size) > 1
+
+
+def test_a_first_token_is_emitted_ahead_of_the_running_requests_tokens(engine, monkeypatch):
+    """The sender thread sends in emit order, a round trip to tritonserver each; a newcomer
+    among running decodes must not wait behind their sends for its first token."""
+    order: list[tuple[str, int]] = []
+    emit, postprocess = engine._emit, engine._postprocess
+
+    def recording_emit(req):
+        order.append((req.request_id, req.sequences[0].num_generated))
+        emit(req)
+
+    def recording_postprocess(*args):
+        order.append(("step", 0))
+        postprocess(*args)
+
+    monkeypatch.setattr(engine, "_emit", recording_emit)
+    monkeypatch.setattr(engine, "_postprocess", recording_postprocess)
+    running = [Run(engine, f"Story {i}:", max_tokens=60, temperature=0, ignore_eos=True) for i in range(3)]
+    while any(len(r.outputs) < 3 for r in running):
+        running[0].done.wait(0.01)
+    newcomer = Run(engine, "Hello there", max_tokens=3, temperature=0, ignore_eos=True).wait()
+    for r in running:
+        r.wait()
+    steps, current = [], []
+    for name, generated in order:
+        if name == "step":
+            steps.append(current)
+            current = []
+        else:
+            current.append((name, generated))
+    steps.append(current)
+    with_first = next(s for s in steps if (newcomer.req.request_id, 1) in s)
+    assert len(with_first) > 1  # it shared a step with running requests
+    assert with_first[0] == (newcomer.req.request_id, 1)
