@@ -124,6 +124,6 @@ def test_the_probe_reads_its_weights_from_memory_as_the_model_does():
     last-level cache, within bounds, and a verdict of the older probe is not reused."""
     smollm = dtype_probe.probe_weights(576, 1536)
     assert smollm * 576 * 1536 * 4 >= dtype_probe.PROBE_WEIGHT_BYTES >= 64 * 2**20
-    assert dtype_probe.probe_weights(64, 128) == 64  # tiny shapes: bounded count
+    assert dtype_probe.probe_weights(64, 128) == dtype_probe.PROBE_CALLS  # tiny shapes: one weight per call
     assert dtype_probe.probe_weights(4096, 11008) == 2  # big shapes: bounded memory
     assert dtype_probe.machine_key(576, 1536).endswith(f"| probe {dtype_probe.PROBE_VERSION}")

@@ -65,15 +65,15 @@ def _measure(hidden: int, inter: int) -> tuple[torch.dtype, dict[torch.dtype, fl
     return best, timings
 
 
-PROBE_WEIGHT_BYTES = 128 * 2**20  # the probe's fp32 weights in all: more than a CPU's last-level cache
+PROBE_WEIGHT_BYTES = 96 * 2**20  # the probe's fp32 weights in all: more than a CPU's last-level cache
 PROBE_CALLS = 30  # Linear calls per timed round (the verdicts' "per 30 Linear calls")
 
 
 def probe_weights(hidden: int, inter: int) -> int:
     """How many distinct ``inter x hidden`` weights the probe cycles through: enough that
-    their fp32 form (about :data:`PROBE_WEIGHT_BYTES`) does not stay in cache, as the
-    model's weights do not, between 2 and 64."""
-    return max(2, min(64, -(-PROBE_WEIGHT_BYTES // (hidden * inter * 4))))
+    their fp32 form (at least :data:`PROBE_WEIGHT_BYTES`) does not stay in cache, as the
+    model's weights do not; at least 2, and at most one per call of a round."""
+    return max(2, min(PROBE_CALLS, -(-PROBE_WEIGHT_BYTES // (hidden * inter * 4))))
 
 
 def time_linears(hidden: int, inter: int) -> dict[torch.dtype, float]:
