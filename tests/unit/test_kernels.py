@@ -31,8 +31,8 @@ def test_bf16_weights_are_prepacked_on_cpu_when_onednn_supports_it():
 @pytest.mark.parametrize("k", [576, 1536, 4096])
 def test_bf16_linears_are_batch_invariant(k):
     """A row's result may not depend on the other rows (seeded requests in a batch), for the
-    linears the fused path makes: the AMX tile kernel where the CPU has AMX, else oneDNN's
-    form the load-time probe picks. (On AMX CPUs oneDNN's bf16 kernels change their
+    linears the fused path makes: the fused bf16 kernel where the CPU has AMX or AVX512-BF16,
+    else oneDNN's form the load-time probe picks. (On AMX CPUs oneDNN's bf16 kernels change their
     blocking with the row count, and no form the probe can pick is invariant for all data:
     the torch path, ``cpuKernels: off``, is not batch-invariant there; see test_engine_bf16.)"""
     torch.manual_seed(k)

@@ -30,13 +30,14 @@ from .weights import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.c", "linear_amx.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
-ABI_VERSION = 4
+ABI_VERSION = 5
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-# The long kernels (paged attention and the AMX Linear; C symbol prefixes) let go of the
+# The long kernels (paged attention and the bfloat16 Linears; C symbol prefixes) let go of the
 # GIL while they run, so the Python stub's sender thread can build
 # and send responses meanwhile instead of waiting for the engine thread to hand it over;
 # at 32 streams on a 2-core Sapphire Rapids, over eight runs taking turns (15 s loads and
@@ -44,7 +45,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # 329-371 without (means 376 and 346); the engine alone did not change beyond its noise
 # (558-646 against 594-687). The short ones keep it: each retake could wait behind the
 # sender thread.
-RELEASE_GIL = ("paged_attention", "linear_amx_bf16")
+RELEASE_GIL = ("paged_attention", "linear_amx_bf16", "linear_avx512_bf16")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
@@ -52,6 +53,10 @@ _SIGNATURES = {
     "paged_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F],
     "silu_mul": [_P, _P, _I, _I],
 }
+
+# The bfloat16 Linears (C symbols), best first: AMX tiles (linear_amx.c), else AVX512-BF16
+# (linear_avx512bf16.c). Both are batch-invariant by construction; oneDNN serves the rest.
+_BF16_LINEARS = {"amx": "linear_amx_bf16", "avx512_bf16": "linear_avx512_bf16"}
 
 
 def _cpu_flags() -> str:
@@ -123,12 +128,18 @@ class CpuOps:
         self._set_threads = bind("cpu_ops_set_threads", [ctypes.c_int])
         for name, argtypes in _SIGNATURES.items():
             setattr(self, f"_{name}", bind(f"{name}_{suffix}", argtypes))
-        self._linear_row = self._linear_amx = None
+        self._linear_row = self._linear_bf16 = None
+        self.bf16_kernel: str | None = None  # "amx" or "avx512_bf16": what linear_bf16 runs on
         if dtype == torch.float32:
             self._linear_row = bind("linear_row_f32", [_P, _P, _P, _P, _I, _I])
         elif bind("linear_amx_bf16_init", [], ctypes.c_int)():  # built for AMX, and Linux granted the tiles
-            self._linear_amx = bind("linear_amx_bf16", [_P, _P, _P, _P, _I, _I, _I])
-            self._amx_pack = bind("linear_amx_bf16_pack", [_P, _P, _I, _I])
+            self.bf16_kernel, self._k_multiple = "amx", 32
+        elif bind("linear_avx512_bf16_available", [], ctypes.c_int)():  # built for AVX512-BF16
+            self.bf16_kernel, self._k_multiple = "avx512_bf16", 2
+        if self.bf16_kernel:
+            symbol = _BF16_LINEARS[self.bf16_kernel]
+            self._linear_bf16 = bind(symbol, [_P, _P, _P, _P, _I, _I, _I])
+            self._bf16_pack = bind(f"{symbol}_pack", [_P, _P, _I, _I])
 
     def set_threads(self, threads: int) -> None:
         """How many threads a call with enough work is split over (process-wide; 1 at load)."""
@@ -174,26 +185,29 @@ class CpuOps:
                          weight.shape[1])
         return out
 
-    def amx_fits(self, weight: torch.Tensor) -> bool:
-        """Can :meth:`linear_amx` serve this weight (AMX here, bfloat16, N % 16 == K % 32 == 0)?"""
+    def bf16_fits(self, weight: torch.Tensor) -> bool:
+        """Can :meth:`linear_bf16` serve this weight (a bfloat16 kernel here, a bfloat16 weight,
+        N % 16 == 0, and K a multiple of 32 on AMX, of 2 on AVX512-BF16)?"""
         n, k = weight.shape
-        return self._linear_amx is not None and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+        return (self._linear_bf16 is not None and weight.dtype == torch.bfloat16 and n % 16 == 0
+                and k % self._k_multiple == 0)
 
-    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [N, K]`` in the tile layout :meth:`linear_amx` reads (same size)."""
+    def bf16_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` in the layout :meth:`linear_bf16` reads (same size)."""
         weight = weight.detach().contiguous()
         packed = torch.empty_like(weight)
-        self._amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
+        self._bf16_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
         return packed
 
-    def linear_amx(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, ``packed`` from :meth:`amx_pack` and a
-        float32 ``bias``; each row's bits are the same whatever ``M``."""
+    def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, ``packed`` from :meth:`bf16_pack` and a
+        float32 ``bias``, on AMX tiles or AVX512-BF16 (:attr:`bf16_kernel`); each row's bits are
+        the same whatever ``M``."""
         x = x.contiguous()
         m, (n, k) = x.shape[0], packed.shape
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
-            self._linear_amx(x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), m, n, k)
+            self._linear_bf16(x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), m, n, k)
         return out
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ops
-from .linear import AmxLinear, Linear, choose_fp32_kernels, make_linear
+from .linear import Linear, PackedBf16Linear, choose_fp32_kernels, make_linear
 
 log = logging.getLogger(__name__)
 # RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * weight, which F.rms_norm fuses.
@@ -170,10 +170,10 @@ class ModelRunner:
         self.kv_size = self.num_kv_heads * self.head_dim
         linears = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
         choose_fp32_kernels(linears, self.ops)
-        if amx := sum(isinstance(lin, AmxLinear) for lin in linears):
-            extra = head.weight.numel() * 2 / 2**20 if isinstance(self.lm_head, AmxLinear) else 0.0
-            log.info("bfloat16 matmuls on AMX tiles: %d of %d (the lm_head's weight stays beside its packed "
-                     "copy: %.0f MiB more)", amx, len(linears), extra)
+        if packed := sum(isinstance(lin, PackedBf16Linear) for lin in linears):
+            extra = head.weight.numel() * 2 / 2**20 if isinstance(self.lm_head, PackedBf16Linear) else 0.0
+            log.info("bfloat16 matmuls on the fused %s kernel: %d of %d (the lm_head's weight stays beside its "
+                     "packed copy: %.0f MiB more)", self.ops.bf16_kernel, packed, len(linears), extra)
         self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
         self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = self._norm(self.inner.norm)

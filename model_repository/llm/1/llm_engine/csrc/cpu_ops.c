@@ -299,4 +299,4 @@ void linear_row_f32(const float *x, const float *w, const float *bias, float *y,
     }
 }
 
-int cpu_ops_abi_version(void) { return 4; }
+int cpu_ops_abi_version(void) { return 5; }
