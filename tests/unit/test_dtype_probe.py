@@ -127,3 +127,26 @@ def test_the_probe_reads_its_weights_from_memory_as_the_model_does():
     assert dtype_probe.probe_weights(64, 128) == dtype_probe.PROBE_CALLS  # tiny shapes: one weight per call
     assert dtype_probe.probe_weights(4096, 11008) == 2  # big shapes: bounded memory
     assert dtype_probe.machine_key(576, 1536).endswith(f"| probe {dtype_probe.PROBE_VERSION}")
+
+
+def test_the_probe_times_the_kernels_the_runner_will_use(monkeypatch):
+    """bf16 on the fused kernels' Linear where the CPU has one (with ``fused``), fp32 on the
+    faster of torch's two kernels; a verdict taken without the fused kernels is kept apart."""
+    from llm_engine import cpu_ops
+    from llm_engine.linear import Fp32Linear, PackedBf16Linear
+
+    made = []
+    real = dtype_probe.make_linear
+
+    def recorded(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(dtype_probe, "make_linear", recorded)
+    ops = cpu_ops.load(torch.bfloat16)
+    timings = dtype_probe.time_linears(64, 128, ops)
+    assert set(timings) == {torch.float32, torch.bfloat16} and all(0 < t < 10 for t in timings.values())
+    packed = [lin for lin in made if isinstance(lin, PackedBf16Linear)]
+    assert len(packed) == (dtype_probe.PROBE_CALLS if ops is not None and ops.bf16_kernel else 0)
+    assert sum(isinstance(lin, Fp32Linear) for lin in made) == dtype_probe.PROBE_CALLS
+    assert dtype_probe.machine_key(64, 128, fused=True) != dtype_probe.machine_key(64, 128)

@@ -65,11 +65,12 @@ def synchronize(device: torch.device) -> None:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def select_dtype(name: str, device: torch.device, hidden: int = 576, inter: int = 1536) -> torch.dtype:
+def select_dtype(name: str, device: torch.device, hidden: int = 576, inter: int = 1536,
+                 fused: bool = False) -> torch.dtype:
     """Resolve ``auto``: bf16 on accelerators; on CPU, whichever Linear is faster at 16 rows
-    on this machine (:mod:`.dtype_probe`)."""
+    on this machine (:mod:`.dtype_probe`), with the fused CPU kernels' when ``fused``."""
     if name != "auto":
         return _DTYPES[name]
     if device.type != "cpu":
         return torch.bfloat16
-    return cpu_dtype(hidden, inter)
+    return cpu_dtype(hidden, inter, fused)

@@ -40,13 +40,13 @@ def _build_engine(settings: Settings, device_id: int, metrics, instances: int) -
     model_dir = resolve_model_dir(mc.modelWeightPath)
     log.info("loading %s from %s", mc.modelName, model_dir)
     device = select_device(mc.device, device_id)
-    cores = None
+    cores, fused = None, False
     if device.type == "cpu":
         fused = fused_kernels_expected(mc.cpuKernels)
         torch.set_num_threads(select_cpu_threads(mc.cpuThreads, fused))
         cores = plan_split(mc.cpuAffinity, mc.cpuThreads, instances, fused)
     config = AutoConfig.from_pretrained(model_dir)
-    dtype = select_dtype(mc.dtype, device, config.hidden_size, getattr(config, "intermediate_size", 1536))
+    dtype = select_dtype(mc.dtype, device, config.hidden_size, getattr(config, "intermediate_size", 1536), fused)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     inner = getattr(model, "model", None)
