@@ -54,9 +54,12 @@ _SIGNATURES = {
     "silu_mul": [_P, _P, _I, _I],
 }
 
-# The bfloat16 Linears (C symbols), best first: AMX tiles (linear_amx.c), else AVX512-BF16
-# (linear_avx512bf16.c). Both are batch-invariant by construction; oneDNN serves the rest.
-_BF16_LINEARS = {"amx": "linear_amx_bf16", "avx512_bf16": "linear_avx512_bf16"}
+# The bfloat16 Linears, best first: kind -> (C symbol, the multiple of K it needs). AMX tiles
+# (linear_amx.c), else AVX512-BF16 (linear_avx512bf16.c); both batch-invariant by
+# construction, oneDNN serves the rest. Each has <symbol>_init(), which returns 0 where the
+# library was built without the instructions (or Linux refused AMX's tile state), and
+# <symbol> and <symbol>_pack, which only such a build defines.
+_BF16_LINEARS = {"amx": ("linear_amx_bf16", 32), "avx512_bf16": ("linear_avx512_bf16", 2)}
 
 
 def _cpu_flags() -> str:
@@ -129,15 +132,14 @@ class CpuOps:
         for name, argtypes in _SIGNATURES.items():
             setattr(self, f"_{name}", bind(f"{name}_{suffix}", argtypes))
         self._linear_row = self._linear_bf16 = None
-        self.bf16_kernel: str | None = None  # "amx" or "avx512_bf16": what linear_bf16 runs on
+        self.bf16_kernel: str | None = None  # a key of _BF16_LINEARS: what linear_bf16 runs on
         if dtype == torch.float32:
             self._linear_row = bind("linear_row_f32", [_P, _P, _P, _P, _I, _I])
-        elif bind("linear_amx_bf16_init", [], ctypes.c_int)():  # built for AMX, and Linux granted the tiles
-            self.bf16_kernel, self._k_multiple = "amx", 32
-        elif bind("linear_avx512_bf16_available", [], ctypes.c_int)():  # built for AVX512-BF16
-            self.bf16_kernel, self._k_multiple = "avx512_bf16", 2
+        else:
+            self.bf16_kernel = next((kind for kind, (symbol, _) in _BF16_LINEARS.items()
+                                     if bind(f"{symbol}_init", [], ctypes.c_int)()), None)
         if self.bf16_kernel:
-            symbol = _BF16_LINEARS[self.bf16_kernel]
+            symbol = _BF16_LINEARS[self.bf16_kernel][0]
             self._linear_bf16 = bind(symbol, [_P, _P, _P, _P, _I, _I, _I])
             self._bf16_pack = bind(f"{symbol}_pack", [_P, _P, _I, _I])
 
@@ -189,8 +191,8 @@ class CpuOps:
         """Can :meth:`linear_bf16` serve this weight (a bfloat16 kernel here, a bfloat16 weight,
         N % 16 == 0, and K a multiple of 32 on AMX, of 2 on AVX512-BF16)?"""
         n, k = weight.shape
-        return (self._linear_bf16 is not None and weight.dtype == torch.bfloat16 and n % 16 == 0
-                and k % self._k_multiple == 0)
+        return (self.bf16_kernel is not None and weight.dtype == torch.bfloat16 and n % 16 == 0
+                and k % _BF16_LINEARS[self.bf16_kernel][1] == 0)
 
     def bf16_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` in the layout :meth:`linear_bf16` reads (same size)."""

@@ -13,7 +13,8 @@
  * B tile. Needs N % 16 == 0 and K % 32 == 0; linear.py keeps other shapes on oneDNN.
  * Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); the
  * process must also be granted the tile state (arch_prctl), which linear_amx_bf16_init()
- * asks for once. Without either, linear_amx_bf16_init() returns 0.
+ * asks for once. Without either, linear_amx_bf16_init() returns 0 (and a build without
+ * AMX defines neither of the other two functions).
  */
 #include <stdint.h>
 #include <string.h>
@@ -120,14 +121,5 @@ void linear_amx_bf16(const bf16 *x, const bf16 *packed, const float *bias, bf16 
 #else
 
 int linear_amx_bf16_init(void) { return 0; }
-
-void linear_amx_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
-    (void)w, (void)packed, (void)n, (void)k;
-}
-
-void linear_amx_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m,
-                     int64_t n, int64_t k) {
-    (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k;
-}
 
 #endif

@@ -13,7 +13,8 @@
  * keeps other shapes on oneDNN. A thread takes whole panels of PANEL blocks and runs the
  * rows over each in tiles of up to ROWS, so a panel is read from memory once per call and
  * from cache for the other row tiles. Built only where the compiler targets AVX512-BF16
- * (-march=native on such a CPU); elsewhere linear_avx512_bf16_available() returns 0.
+ * (-march=native on such a CPU); elsewhere linear_avx512_bf16_init() returns 0 and
+ * the other two functions are not defined.
  */
 #include <stdint.h>
 #include <string.h>
@@ -29,7 +30,7 @@ typedef uint16_t bf16;
 
 int cpu_ops_threads(void); /* cpu_ops.c: the thread count cpu_ops_set_threads() set */
 
-int linear_avx512_bf16_available(void) { return 1; }
+int linear_avx512_bf16_init(void) { return 1; }
 
 void linear_avx512_bf16_pack(const bf16 *w, bf16 *packed, int64_t n, int64_t k) {
     const int64_t pairs = k / 2;
@@ -106,15 +107,6 @@ void linear_avx512_bf16(const bf16 *x, const bf16 *packed, const float *bias, bf
 
 #else
 
-int linear_avx512_bf16_available(void) { return 0; }
-
-void linear_avx512_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
-    (void)w, (void)packed, (void)n, (void)k;
-}
-
-void linear_avx512_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m,
-                        int64_t n, int64_t k) {
-    (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k;
-}
+int linear_avx512_bf16_init(void) { return 0; }
 
 #endif
