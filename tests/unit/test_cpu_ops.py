@@ -100,6 +100,26 @@ def test_paged_attention_matches_sdpa_over_the_gathered_context(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [
+    (14, 2, 64),  # 7 query heads per kv head: taken 4 and 3
+    (8, 8, 128),  # no grouping, the other specialised head dim
+    (6, 2, 20),   # a head dim of neither size, with a tail shorter than 8 lanes
+    (4, 1, 4),    # a head dim shorter than 8 lanes
+])
+def test_paged_attention_other_head_shapes(dtype, heads, kv_heads, d):
+    ops = ops_for(dtype)
+    lens = [1, 3, 17, 64, 130]
+    q, cache, ctx, lens_t = _attention_case(dtype, lens, heads=heads, kv_heads=kv_heads, d=d)
+    out = torch.zeros_like(q)
+    ops.paged_attention(q, cache, out, torch.arange(len(lens)), None, lens_t, ctx, 0.125)
+    torch.testing.assert_close(out, _reference_attention(q, cache, ctx, lens_t, 0.125), **TOL[dtype])
+    alone = torch.zeros_like(q[:1])
+    ops.paged_attention(q[3:4].contiguous(), cache, alone, torch.tensor([0]), None, lens_t[3:4],
+                        ctx[3:4].contiguous(), 0.125)
+    assert torch.equal(alone[0], out[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_rows_and_shared_contexts(dtype):
     """Prefill queries: several rows share one context row, each attending its own prefix;
     rows not named are left alone."""

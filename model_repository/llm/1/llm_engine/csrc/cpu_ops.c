@@ -4,7 +4,7 @@
  *
  * Each runs over the rows of a step in one call, so a layer is a handful of calls
  * instead of ~45 ATen ops from Python. Every row is computed on its own with a fixed
- * order of operations (reductions in 16 fixed lanes, explicit fmaf, built with
+ * order of operations (reductions in fixed lanes, explicit fmaf, built with
  * -ffp-contract=off), so a row's result does not depend on what else is in the batch,
  * on where in the batch it sits, or on how gcc vectorised a loop. All arithmetic is in
  * float32; bfloat16 values are rounded to nearest even once, on store.
@@ -118,10 +118,39 @@ static inline float lanes_sum(const float *acc) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-#define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE, LOAD8)                                                    \
+/* The eight lanes of v summed in a fixed order. */
+static inline float v8_sum(v8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* A row of d values as float, into dst. */
+static inline void bf16_row(const bf16 *src, float *dst, int64_t d) {
+    const int64_t d8 = d / 8 * 8;
+    for (int64_t e = 0; e < d8; e += 8) {
+        const v8 v = bf16_load8(src + e);
+        memcpy(dst + e, &v, sizeof v);
+    }
+    for (int64_t e = d8; e < d; e++) dst[e] = bf16_load(src + e);
+}
+
+static inline void f32_row(const float *src, float *dst, int64_t d) { memcpy(dst, src, sizeof(float) * (size_t)d); }
+
+/* Paged attention's blocking: keys scored side by side, query heads of one kv head done
+ * together, 8-lane chunks of the head dim summed together, and how many keys ahead the
+ * key and value rows are prefetched (a context's blocks lie anywhere in the pool). */
+#define ATTN_KEYS 4
+#define ATTN_HEADS 4
+#define ATTN_SPAN 4
+#define ATTN_AHEAD 8
+#define ATTN_CASE(SUFFIX, H, D)                                                                   \
+    case H * 1000 + D:                                                                            \
+        attn_item_##SUFFIX(qh, kbase, vbase, slot, len, H, D ? D : d, scale, qf, scores, dst);    \
+        break;
+#define ATTN_CASES(SUFFIX, D) \
+    ATTN_CASE(SUFFIX, 1, D) ATTN_CASE(SUFFIX, 2, D) ATTN_CASE(SUFFIX, 3, D) ATTN_CASE(SUFFIX, 4, D)
+
+#define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE, LOAD8, ROW)                                        \
                                                                                                   \
-/* h += delta (when delta is given, rounded to T), then out = rmsnorm(h) * weight. */            \
-void add_rms_norm_##SUFFIX(T *h, const T *delta, T *out, const float *weight, int64_t rows,      \
+/* h += delta (when delta is given, rounded to T), then out = rmsnorm(h) * weight. */             \
+void add_rms_norm_##SUFFIX(T *h, const T *delta, T *out, const float *weight, int64_t rows,       \
                            int64_t dim, float eps) {                                              \
     const int64_t work = rows * dim;                                                              \
     PARALLEL_FOR                                                                                  \
@@ -145,15 +174,15 @@ void add_rms_norm_##SUFFIX(T *h, const T *delta, T *out, const float *weight, in
         }                                                                                         \
         float inv = 1.0f / sqrtf(lanes_sum(acc) / (float)dim + eps);                              \
         T *o = out + r * dim;                                                                     \
-        for (int64_t j = 0; j < dim; j++) STORE(o + j, (LOAD(x + j) * inv) * weight[j]);         \
+        for (int64_t j = 0; j < dim; j++) STORE(o + j, (LOAD(x + j) * inv) * weight[j]);          \
     }                                                                                             \
 }                                                                                                 \
                                                                                                   \
-/* Rotate q and k of each row of qkv [rows][(heads + 2 kv_heads) * d] at its position;          \
- * q goes to q_out [rows][heads][d], k and v to the cache at the row's slot. cos and           \
- * sin_signed are [positions][d] (sin with its first half negated). */                           \
-void rope_store_kv_##SUFFIX(const T *qkv, int64_t rows, const int64_t *positions,                \
-                            const float *cos, const float *sin_signed, int64_t heads,            \
+/* Rotate q and k of each row of qkv [rows][(heads + 2 kv_heads) * d] at its position;            \
+ * q goes to q_out [rows][heads][d], k and v to the cache at the row's slot. cos and              \
+ * sin_signed are [positions][d] (sin with its first half negated). */                            \
+void rope_store_kv_##SUFFIX(const T *qkv, int64_t rows, const int64_t *positions,                 \
+                            const float *cos, const float *sin_signed, int64_t heads,             \
                             int64_t kv_heads, int64_t d, T *q_out, T *cache,                      \
                             const int64_t *slots, int64_t num_slots) {                            \
     const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;                               \
@@ -179,15 +208,118 @@ void rope_store_kv_##SUFFIX(const T *qkv, int64_t rows, const int64_t *positions
     }                                                                                             \
 }                                                                                                 \
                                                                                                   \
-/* Attention of query rows over paged contexts. Query i is token row rows[i] of q               \
+/* Scores of `heads` (at most ATTN_HEADS) float queries qf [heads][d] against the keys at         \
+ * `slot` [len], into scores [heads][len]. Keys go ATTN_KEYS at a time, each converted to         \
+ * float once for all the heads; each score is its own 8-lane FMA chain over the head dim         \
+ * in order, summed by v8_sum, then the dim's last d % 8 in order, so its bits depend only        \
+ * on its query and key. Inlined with `heads` (and d, where the caller knows it) constant,        \
+ * so the accumulators stay in registers. */                                                      \
+static inline __attribute__((always_inline)) void attn_scores_##SUFFIX(                           \
+    const float *qf, const T *kbase, const T *vbase, const int64_t *slot, int64_t len,            \
+    const int64_t heads, const int64_t d, float scale, float *scores) {                           \
+    const int64_t d8 = d / 8 * 8;                                                                 \
+    for (int64_t j = 0; j < len; j += ATTN_KEYS) {                                                \
+        const int64_t keys = len - j < ATTN_KEYS ? len - j : ATTN_KEYS;                           \
+        for (int64_t t = j ? j + ATTN_AHEAD : 0; t < j + ATTN_KEYS + ATTN_AHEAD && t < len; t++)  \
+            for (int64_t b = 0; b < d * (int64_t)sizeof(T); b += 64) {                            \
+                __builtin_prefetch((const char *)(kbase + slot[t] * d) + b);                      \
+                __builtin_prefetch((const char *)(vbase + slot[t] * d) + b);                      \
+            }                                                                                     \
+        const T *k[ATTN_KEYS];                                                                    \
+        for (int t = 0; t < ATTN_KEYS; t++) k[t] = kbase + slot[j + (t < keys ? t : 0)] * d;      \
+        v8 acc[ATTN_HEADS][ATTN_KEYS] = {{{0}}};                                                  \
+        for (int64_t e = 0; e < d8; e += 8)                                                       \
+            for (int t = 0; t < ATTN_KEYS; t++) {                                                 \
+                const v8 kv = LOAD8(k[t] + e);                                                    \
+                for (int64_t g = 0; g < heads; g++)                                               \
+                    acc[g][t] = v8_fma(f32_load8(qf + g * d + e), kv, acc[g][t]);                 \
+            }                                                                                     \
+        for (int64_t g = 0; g < heads; g++)                                                       \
+            for (int64_t t = 0; t < keys; t++) {                                                  \
+                float s = v8_sum(acc[g][t]);                                                      \
+                for (int64_t e = d8; e < d; e++) s = fmaf(qf[g * d + e], LOAD(k[t] + e), s);      \
+                scores[g * len + j + t] = s * scale;                                              \
+            }                                                                                     \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+/* dst [heads][d] = the rows at `slot` [len] of vbase weighted by p [heads][len] and scaled       \
+ * by inv [heads]: each output element one FMA chain over the keys in order. The head dim         \
+ * goes ATTN_SPAN 8-lane chunks at a time, each value chunk converted once for all heads. */      \
+static inline __attribute__((always_inline)) void attn_values_##SUFFIX(                           \
+    const float *p, const float *inv, const T *vbase, const int64_t *slot, int64_t len,           \
+    const int64_t heads, const int64_t d, T *dst) {                                               \
+    const int64_t d8 = d / 8 * 8;                                                                 \
+    for (int64_t e0 = 0; e0 < d8; e0 += 8 * ATTN_SPAN) {                                          \
+        v8 acc[ATTN_HEADS][ATTN_SPAN] = {{{0}}};                                                  \
+        for (int64_t j = 0; j < len; j++) {                                                       \
+            const T *v = vbase + slot[j] * d + e0;                                                \
+            for (int c = 0; c < ATTN_SPAN; c++) {                                                 \
+                if (e0 + 8 * c >= d8) break;                                                      \
+                const v8 vv = LOAD8(v + 8 * c);                                                   \
+                for (int64_t g = 0; g < heads; g++) {                                             \
+                    const float w = p[g * len + j];                                               \
+                    const v8 wv = {w, w, w, w, w, w, w, w};                                       \
+                    acc[g][c] = v8_fma(wv, vv, acc[g][c]);                                        \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t g = 0; g < heads; g++)                                                       \
+            for (int c = 0; c < ATTN_SPAN && e0 + 8 * c < d8; c++)                                \
+                for (int l = 0; l < 8; l++)                                                       \
+                    STORE(dst + g * d + e0 + 8 * c + l, acc[g][c][l] * inv[g]);                   \
+    }                                                                                             \
+    for (int64_t g = 0; g < heads; g++)                                                           \
+        for (int64_t e = d8; e < d; e++) {                                                        \
+            float o = 0.0f;                                                                       \
+            for (int64_t j = 0; j < len; j++)                                                     \
+                o = fmaf(p[g * len + j], LOAD(vbase + slot[j] * d + e), o);                       \
+            STORE(dst + g * d + e, o * inv[g]);                                                   \
+        }                                                                                         \
+}                                                                                                 \
+                                                                                                  \
+/* One attention item: `heads` query heads at qh (at most ATTN_HEADS) that share the kv           \
+ * head at kbase / vbase, over `len` context slots, into dst. */                                  \
+static inline __attribute__((always_inline)) void attn_item_##SUFFIX(                             \
+    const T *qh, const T *kbase, const T *vbase, const int64_t *slot, int64_t len,                \
+    const int64_t heads, const int64_t d, float scale, float *qf, float *scores, T *dst) {        \
+    float inv[ATTN_HEADS];                                                                        \
+    for (int64_t g = 0; g < heads; g++) ROW(qh + g * d, qf + g * d, d);                           \
+    attn_scores_##SUFFIX(qf, kbase, vbase, slot, len, heads, d, scale, scores);                   \
+    for (int64_t g = 0; g < heads; g++) {                                                         \
+        float *sc = scores + g * len, best = -INFINITY, acc[LANES] = {0};                         \
+        for (int64_t j = 0; j < len; j++) best = sc[j] > best ? sc[j] : best;                     \
+        for (int64_t j = 0; j < len; j++) sc[j] = exp_f32(sc[j] - best);                          \
+        int64_t j = 0;                                                                            \
+        for (; j + LANES <= len; j += LANES)                                                      \
+            for (int l = 0; l < LANES; l++) acc[l] += sc[j + l];                                  \
+        for (int l = 0; j < len; j++, l++) acc[l] += sc[j];                                       \
+        inv[g] = 1.0f / lanes_sum(acc);                                                           \
+    }                                                                                             \
+    attn_values_##SUFFIX(scores, inv, vbase, slot, len, heads, d, dst);                           \
+}                                                                                                 \
+                                                                                                  \
+/* attn_item with `heads` and, for the common head dims, d as constants. */                       \
+static void attn_dispatch_##SUFFIX(const T *qh, const T *kbase, const T *vbase,                   \
+                                   const int64_t *slot, int64_t len, int64_t heads, int64_t d,    \
+                                   float scale, float *qf, float *scores, T *dst) {               \
+    switch (heads * 1000 + (d == 64 || d == 128 ? d : 0)) {                                       \
+    ATTN_CASES(SUFFIX, 64)                                                                        \
+    ATTN_CASES(SUFFIX, 128)                                                                       \
+    ATTN_CASES(SUFFIX, 0)                                                                         \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+/* Attention of query rows over paged contexts. Query i is token row rows[i] of q                 \
  * [*, heads, d]; it attends the first lens[i] slots of row ctx[i] of ctx_slots                   \
- * [*, ctx_width]; its result goes to the same row of out [*, heads, d]. ctx may be NULL         \
- * (query i uses context row i). Work items are (query, kv head) pairs; each thread keeps        \
- * its scores and sums in a buffer of its own. */                                                \
-void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *rows,           \
-                              const int64_t *ctx, const int64_t *lens, const int64_t *ctx_slots, \
-                              int64_t ctx_width, int64_t n, int64_t heads, int64_t kv_heads,     \
-                              int64_t d, int64_t num_slots, float scale) {                       \
+ * [*, ctx_width]; its result goes to the same row of out [*, heads, d]. ctx may be NULL          \
+ * (query i uses context row i). Work items are (query, kv head) pairs; an item takes             \
+ * the query heads of its kv head ATTN_HEADS at a time. Each thread keeps its queries and         \
+ * scores in a buffer of its own. */                                                              \
+void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *rows,            \
+                              const int64_t *ctx, const int64_t *lens, const int64_t *ctx_slots,  \
+                              int64_t ctx_width, int64_t n, int64_t heads, int64_t kv_heads,      \
+                              int64_t d, int64_t num_slots, float scale) {                        \
     const int64_t group = heads / kv_heads;                                                       \
     const int64_t head_stride = num_slots * d, kv_stride = kv_heads * head_stride;                \
     int64_t max_len = 0, work = 0;                                                                \
@@ -198,65 +330,27 @@ void paged_attention_##SUFFIX(const T *q, const T *cache, T *out, const int64_t 
     work *= 2 * heads * d;                                                                        \
     _Pragma("omp parallel num_threads(n_threads) if(work >= PAR_MIN_WORK && n * kv_heads > 1)")   \
     {                                                                                             \
-        float *o = malloc(sizeof(float) * (size_t)(group * (d + max_len)));                       \
-        if (!o) abort(); /* no way to report it; better than writing through NULL */           \
-        float *scores = o + group * d;                                                            \
+        float *qf = malloc(sizeof(float) * (size_t)(ATTN_HEADS * (d + max_len)));                 \
+        if (!qf) abort(); /* no way to report it; better than writing through NULL */             \
+        float *scores = qf + ATTN_HEADS * d;                                                      \
         _Pragma("omp for schedule(static)")                                                       \
         for (int64_t item = 0; item < n * kv_heads; item++) {                                     \
-            const int64_t i = item / kv_heads, kh = item % kv_heads;                              \
-            const int64_t row = rows[i], len = lens[i];                                           \
+            const int64_t i = item / kv_heads, kh = item % kv_heads, row = rows[i];               \
             const int64_t *slot = ctx_slots + (ctx ? ctx[i] : i) * ctx_width;                     \
-            const T *kbase = cache + kh * head_stride, *vbase = cache + kv_stride + kh * head_stride; \
-            float acc[LANES];                                                                     \
-            for (int64_t g = 0; g < group; g++) {                                                 \
-                const T *qh = q + (row * heads + kh * group + g) * d;                             \
-                float *sc = scores + g * len, best = -INFINITY;                                   \
-                for (int64_t j = 0; j < len; j++) {                                               \
-                    const T *k = kbase + slot[j] * d;                                             \
-                    v8 lo = {0}, hi = {0}; /* lanes 0-7 and 8-15 */                               \
-                    int64_t e = 0;                                                                \
-                    for (; e + LANES <= d; e += LANES) {                                          \
-                        lo = v8_fma(LOAD8(qh + e), LOAD8(k + e), lo);                             \
-                        hi = v8_fma(LOAD8(qh + e + 8), LOAD8(k + e + 8), hi);                     \
-                    }                                                                             \
-                    memcpy(acc, &lo, sizeof lo);                                                  \
-                    memcpy(acc + 8, &hi, sizeof hi);                                              \
-                    for (int l = 0; e < d; e++, l++) acc[l] = fmaf(LOAD(qh + e), LOAD(k + e), acc[l]); \
-                    sc[j] = lanes_sum(acc) * scale;                                               \
-                    best = fmaxf(best, sc[j]);                                                    \
-                }                                                                                 \
-                for (int64_t j = 0; j < len; j++) sc[j] = exp_f32(sc[j] - best);                  \
-                for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                    \
-                int64_t j = 0;                                                                    \
-                for (; j + LANES <= len; j += LANES)                                              \
-                    for (int l = 0; l < LANES; l++) acc[l] += sc[j + l];                          \
-                for (int l = 0; j < len; j++, l++) acc[l] += sc[j];                               \
-                const float total = lanes_sum(acc);                                               \
-                float *og = o + g * d;                                                            \
-                for (int64_t e = 0; e < d; e++) og[e] = 0.0f;                                     \
-                for (int64_t jj = 0; jj < len; jj++) {                                            \
-                    const T *v = vbase + slot[jj] * d;                                            \
-                    const float p = sc[jj];                                                       \
-                    const v8 pv = {p, p, p, p, p, p, p, p};                                       \
-                    int64_t e = 0;                                                                \
-                    for (; e + 8 <= d; e += 8) {                                                  \
-                        v8 acc8 = f32_load8(og + e);                                              \
-                        acc8 = v8_fma(pv, LOAD8(v + e), acc8);                                    \
-                        memcpy(og + e, &acc8, sizeof acc8);                                       \
-                    }                                                                             \
-                    for (; e < d; e++) og[e] = fmaf(p, LOAD(v + e), og[e]);                       \
-                }                                                                                 \
-                T *dst = out + (row * heads + kh * group + g) * d;                                \
-                const float inv = 1.0f / total;                                                   \
-                for (int64_t e = 0; e < d; e++) STORE(dst + e, og[e] * inv);                      \
+            const T *kbase = cache + kh * head_stride, *vbase = kbase + kv_stride;                \
+            for (int64_t g = 0; g < group; g += ATTN_HEADS) {                                     \
+                const int64_t at = (row * heads + kh * group + g) * d;                            \
+                const int64_t h = group - g < ATTN_HEADS ? group - g : ATTN_HEADS;                \
+                attn_dispatch_##SUFFIX(q + at, kbase, vbase, slot, lens[i], h, d, scale, qf, scores,\
+                                       out + at);                                                 \
             }                                                                                     \
         }                                                                                         \
-        free(o);                                                                                  \
+        free(qf);                                                                                 \
     }                                                                                             \
 }                                                                                                 \
                                                                                                   \
 /* out [rows][inter] = silu(gate) * up, with x [rows][2 * inter] = gate | up. */                  \
-void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {                        \
+void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {                         \
     const int64_t work = rows * inter;                                                            \
     PARALLEL_FOR                                                                                  \
     for (int64_t r = 0; r < rows; r++) {                                                          \
@@ -269,8 +363,8 @@ void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int64_t inter) {       
     }                                                                                             \
 }
 
-DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store, bf16_load8)
-DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_load8)
+DEFINE_KERNELS(bf16, bf16, bf16_load, bf16_store, bf16_load8, bf16_row)
+DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_load8, f32_row)
 
 /* y [n_out] = w [n_out][k] . x [k] (+ bias): a float32 Linear at one row, which streams the
  * weight from memory once. The output rows are split over the threads in contiguous
@@ -292,8 +386,7 @@ void linear_row_f32(const float *x, const float *w, const float *bias, float *y,
             a3 = v8_fma(f32_load8(wr + i + 24), f32_load8(x + i + 24), a3);
         }
         for (; i + 8 <= k; i += 8) a0 = v8_fma(f32_load8(wr + i), f32_load8(x + i), a0);
-        v8 s = (a0 + a1) + (a2 + a3);
-        float acc = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+        float acc = v8_sum((a0 + a1) + (a2 + a3));
         for (; i < k; i++) acc = fmaf(wr[i], x[i], acc);
         y[o] = bias ? acc + bias[o] : acc;
     }
