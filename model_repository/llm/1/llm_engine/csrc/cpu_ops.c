@@ -146,6 +146,13 @@ static inline void f32_row(const float *src, float *dst, int64_t d) { memcpy(dst
         break;
 #define ATTN_CASES(SUFFIX, D) \
     ATTN_CASE(SUFFIX, 1, D) ATTN_CASE(SUFFIX, 2, D) ATTN_CASE(SUFFIX, 3, D) ATTN_CASE(SUFFIX, 4, D)
+_Static_assert(ATTN_HEADS == 4, "ATTN_CASES must name every head count from 1 to ATTN_HEADS");
+
+/* Every cache line of the `bytes` bytes at p. */
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    const char *c = (const char *)((uintptr_t)p & ~(uintptr_t)63), *end = (const char *)p + bytes;
+    for (; c < end; c += 64) __builtin_prefetch(c);
+}
 
 #define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE, LOAD8, ROW)                                        \
                                                                                                   \
@@ -220,11 +227,10 @@ static inline __attribute__((always_inline)) void attn_scores_##SUFFIX(         
     const int64_t d8 = d / 8 * 8;                                                                 \
     for (int64_t j = 0; j < len; j += ATTN_KEYS) {                                                \
         const int64_t keys = len - j < ATTN_KEYS ? len - j : ATTN_KEYS;                           \
-        for (int64_t t = j ? j + ATTN_AHEAD : 0; t < j + ATTN_KEYS + ATTN_AHEAD && t < len; t++)  \
-            for (int64_t b = 0; b < d * (int64_t)sizeof(T); b += 64) {                            \
-                __builtin_prefetch((const char *)(kbase + slot[t] * d) + b);                      \
-                __builtin_prefetch((const char *)(vbase + slot[t] * d) + b);                      \
-            }                                                                                     \
+        for (int64_t t = j ? j + ATTN_AHEAD : 0; t < j + ATTN_KEYS + ATTN_AHEAD && t < len; t++) {\
+            prefetch_row(kbase + slot[t] * d, d * (int64_t)sizeof(T));                            \
+            prefetch_row(vbase + slot[t] * d, d * (int64_t)sizeof(T));                            \
+        }                                                                                         \
         const T *k[ATTN_KEYS];                                                                    \
         for (int t = 0; t < ATTN_KEYS; t++) k[t] = kbase + slot[j + (t < keys ? t : 0)] * d;      \
         v8 acc[ATTN_HEADS][ATTN_KEYS] = {{{0}}};                                                  \
