@@ -1,8 +1,24 @@
-"""Batched sampling: greedy, seeds, top-k/top-p, penalties, logprobs."""
+"""Batched sampling: greedy, seeds, top-k/top-p, penalties, logprobs; each test on both ways
+of getting a row's argmax and logsumexp (torch's log_softmax, and the fused CPU kernel)."""
+
+import functools
 
 import pytest
 import torch
-from llm_engine.sampler import RowSpec, greedy_tokens, sample
+from llm_engine import cpu_ops
+from llm_engine.sampler import RowSpec, greedy_tokens
+from llm_engine.sampler import sample as sample_with
+
+
+@pytest.fixture(params=["log_softmax", "fused kernel"])
+def sample(request):
+    """``sample(logits, rows)`` through one way or the other."""
+    if request.param == "log_softmax":
+        return functools.partial(sample_with, row_stats=None)
+    ops = cpu_ops.load(torch.float32)
+    if ops is None:
+        pytest.skip("no C compiler on this machine")
+    return functools.partial(sample_with, row_stats=ops.argmax_logsumexp)
 
 
 def row(gen=None, **kw):
@@ -18,12 +34,12 @@ def g(seed):
     return gen
 
 
-def test_greedy_rows_take_argmax():
+def test_greedy_rows_take_argmax(sample):
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
     assert sample(logits, [row(), row()]).tokens == [1, 0]
 
 
-def test_seeded_row_is_independent_of_batch():
+def test_seeded_row_is_independent_of_batch(sample):
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     alone = sample(logits[:1].clone(), [row(g(7))]).tokens[0]
@@ -31,36 +47,37 @@ def test_seeded_row_is_independent_of_batch():
     assert alone == batched
 
 
-def test_top_k_one_is_greedy():
+def test_top_k_one_is_greedy(sample):
     torch.manual_seed(0)
     logits = torch.randn(1, 100)
     for seed in range(5):
         assert sample(logits.clone(), [row(g(seed), top_k=1)]).tokens[0] == int(logits.argmax())
 
 
-def test_top_p_keeps_only_the_nucleus():
+def test_top_p_keeps_only_the_nucleus(sample):
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05]]))
     picks = {sample(logits.clone(), [row(g(s), top_p=0.5)]).tokens[0] for s in range(20)}
     assert picks == {0}
 
 
-def test_repetition_penalty_discourages_seen_tokens():
+def test_repetition_penalty_discourages_seen_tokens(sample):
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     assert sample(logits.clone(), [row(repetition_penalty=2.0, output_ids=[0])]).tokens == [1]
 
 
-def test_presence_and_frequency_penalties():
+def test_presence_and_frequency_penalties(sample):
     logits = torch.tensor([[2.0, 1.5, 0.0]])
     assert sample(logits.clone(), [row(presence_penalty=1.0, output_ids=[0])]).tokens == [1]
     assert sample(logits.clone(), [row(frequency_penalty=0.3, output_ids=[0, 0])]).tokens == [1]
 
 
-def test_logprobs_and_top_alternatives():
+def test_logprobs_and_top_alternatives(sample):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     res = sample(logits.clone(), [row(logprobs=2)])
     assert res.tokens == [0]
     assert abs(res.logprobs[0] - torch.log(torch.tensor(0.5)).item()) < 1e-5
     assert [t for t, _ in res.top[0]] == [0, 1]
+    assert res.top[0][0][1] == res.logprobs[0]  # the chosen token's logprob, the same bits in both places
 
 
 @pytest.mark.parametrize("vocab", [7, 1024, 2048, 49152, 50257, 151936])
@@ -73,3 +90,28 @@ def test_greedy_tokens_equal_argmax_with_ties_and_any_vocab(vocab):
     scores[4] = -5.0  # all equal
     assert torch.equal(greedy_tokens(scores), torch.argmax(scores, dim=-1))
     assert torch.equal(greedy_tokens(scores[:1]), torch.argmax(scores[:1], dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 2048, 49152, 50257])
+def test_the_fused_row_stats_give_the_first_argmax_and_the_logsumexp(vocab):
+    ops = cpu_ops.load(torch.float32)
+    if ops is None:
+        pytest.skip("no C compiler on this machine")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-40, 40, (9, vocab), generator=gen).float()  # many ties
+    logits[1, -1] = 1000.0  # maximum in the tail
+    logits[2, 0] = logits[2, -1] = 1000.0  # tie between the first block and the tail
+    logits[3, 5] = logits[3, vocab // 2] = 1000.0  # tie across blocks
+    logits[4] = -5.0  # all equal
+    logits[5:] = torch.randn(4, vocab, generator=gen) * 4
+    tokens, lse = ops.argmax_logsumexp(logits)
+    assert torch.equal(tokens, torch.argmax(logits, dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits.double(), dim=-1).float(), rtol=1e-6, atol=1e-5)
+    for threads in (1, 2, 3):  # each row alone, and on any number of threads: the same bits
+        ops.set_threads(threads)
+        try:
+            for i in (0, 3, 8):
+                one_tok, one_lse = ops.argmax_logsumexp(logits[i : i + 1])
+                assert one_tok[0] == tokens[i] and torch.equal(one_lse[0], lse[i])
+        finally:
+            ops.set_threads(1)

@@ -58,6 +58,8 @@ class Engine:
         self.step_timeout = step_timeout  # see health()
         self.max_failed_steps = max_failed_steps
         self._step_started = 0.0  # time.monotonic() of the step running now, 0 between steps
+        ops = getattr(runner, "ops", None)  # the fused CPU kernels, when the runner has them
+        self._row_stats = ops.argmax_logsumexp if ops is not None else None
         self.failed_steps_in_a_row = 0
         self.token_text = TokenTexts(tokenizer)  # one token's text, as logprobs report it
 
@@ -197,7 +199,7 @@ class Engine:
                 beam_lp = torch.log_softmax(logits[beam_rows], dim=-1)
                 owners = [owners[i] for i in keep]
                 logits = logits[keep]
-            result = sample(logits, [self._row_spec(seq) for seq in owners])
+            result = sample(logits, [self._row_spec(seq) for seq in owners], self._row_stats)
         except Exception as exc:
             self.failed_steps_in_a_row += 1
             self._step_failed(plan, exc, advanced)

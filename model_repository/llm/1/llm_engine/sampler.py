@@ -7,6 +7,7 @@ seeded request gives the same text whatever shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,21 +57,34 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSpec]) -> None:
         logits[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).float()
 
 
-def sample(logits: torch.Tensor, rows: list[RowSpec]) -> SampleResult:
-    """Pick one token per row of ``logits`` ``[R, V]`` (float32)."""
+RowStats = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def sample(logits: torch.Tensor, rows: list[RowSpec], row_stats: RowStats | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` ``[R, V]`` (float32).
+
+    A logprob is a logit less its row's logsumexp. ``row_stats(logits)``, where given (the
+    fused CPU kernel), returns each row's first argmax and logsumexp in one pass without a
+    ``[R, V]`` result; otherwise one ``log_softmax`` gives every logprob at once.
+    """
     apply_penalties(logits, rows)
-    logprobs = torch.log_softmax(logits, dim=-1)  # one pass; cheaper than logsumexp + subtract
-    tokens = greedy_tokens(logprobs)
+    if row_stats is not None:
+        tokens, lse = row_stats(logits)
+        scores, offset = logits, lse[:, None]
+    else:
+        scores = torch.log_softmax(logits, dim=-1)  # one pass; cheaper than logsumexp + subtract
+        tokens, offset = greedy_tokens(scores), None
     sampled = [i for i, r in enumerate(rows) if r.generator is not None]
     if sampled:
         tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled]).to(tokens.device)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    chosen = scores.gather(1, tokens[:, None])
+    chosen = (chosen if offset is None else chosen - offset)[:, 0].tolist()
     top: list[list[tuple[int, float]] | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.logprobs]
     if want:
         k = max(rows[i].logprobs for i in want)
-        vals, ids = torch.topk(logprobs[want], k, dim=-1)
-        vals = vals.tolist()
+        vals, ids = torch.topk(scores[want], k, dim=-1)
+        vals = (vals if offset is None else vals - offset[want]).tolist()
         ids = ids.tolist()
         for j, i in enumerate(want):
             n = rows[i].logprobs

@@ -398,4 +398,47 @@ void linear_row_f32(const float *x, const float *w, const float *bias, float *y,
     }
 }
 
-int cpu_ops_abi_version(void) { return 5; }
+/* Per row of float32 logits x [rows][vocab]: the first index of its maximum, and
+ * log(sum(exp(x))) (max + log of a 16-lane sum of exp(x - max), in a fixed order). What
+ * sampling needs of a row, in two passes over it and no [rows][vocab] result; each row's
+ * result is its own. The maximum goes by blocks, so only the first block holding it is
+ * searched for its index. A NaN is passed over by the maximum and reaches the sum. */
+#define ARGMAX_BLOCK 1024
+void argmax_logsumexp_f32(const float *x, int64_t rows, int64_t vocab, int64_t *argmax, float *lse) {
+    const int64_t work = rows * vocab;
+    PARALLEL_FOR
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * vocab;
+        float best = -INFINITY;
+        int64_t block = 0;
+        for (int64_t b0 = 0; b0 < vocab; b0 += ARGMAX_BLOCK) {
+            const int64_t n = vocab - b0 < ARGMAX_BLOCK ? vocab - b0 : ARGMAX_BLOCK;
+            float m[LANES], bm = -INFINITY;
+            for (int l = 0; l < LANES; l++) m[l] = -INFINITY;
+            int64_t j = 0;
+            for (; j + LANES <= n; j += LANES)
+                for (int l = 0; l < LANES; l++) m[l] = row[b0 + j + l] > m[l] ? row[b0 + j + l] : m[l];
+            for (int l = 0; l < LANES; l++) bm = m[l] > bm ? m[l] : bm;
+            for (; j < n; j++) bm = row[b0 + j] > bm ? row[b0 + j] : bm;
+            if (bm > best) {
+                best = bm;
+                block = b0;
+            }
+        }
+        int64_t arg = block;
+        for (int64_t j = block; j < vocab; j++)
+            if (row[j] == best) {
+                arg = j;
+                break;
+            }
+        float acc[LANES] = {0};
+        int64_t j = 0;
+        for (; j + LANES <= vocab; j += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += exp_f32(row[j + l] - best);
+        for (int l = 0; j < vocab; j++, l++) acc[l] += exp_f32(row[j] - best);
+        argmax[r] = arg;
+        lse[r] = best + logf(lanes_sum(acc));
+    }
+}
+
+int cpu_ops_abi_version(void) { return 6; }
