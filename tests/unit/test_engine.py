@@ -340,3 +340,34 @@ def test_a_first_token_is_emitted_ahead_of_the_running_requests_tokens(engine, m
     with_first = next(s for s in steps if (newcomer.req.request_id, 1) in s)
     assert len(with_first) > 1  # it shared a step with running requests
     assert with_first[0] == (newcomer.req.request_id, 1)
+
+
+def test_a_long_prompt_arriving_while_others_decode_is_prefilled_in_chunks(engine, monkeypatch):
+    """prefillChunkTokens' auto value on CPU bounds the prompt tokens of a step that also
+    decodes, and the chunked prompt gives the tokens it gives in one piece."""
+    from llm_engine.factory import CPU_PREFILL_CHUNK_TOKENS
+
+    chunk = engine.scheduler.prefill_chunk_tokens
+    assert chunk == CPU_PREFILL_CHUNK_TOKENS
+    monkeypatch.setattr(engine.blocks, "enable_prefix_cache", False)  # both runs compute the prompt
+    prompt = "Here is a list: " + ", ".join(f"item {i}" for i in range(200)) + ". The last item was"
+    assert len(engine.tokenizer(prompt).input_ids) > 2 * chunk
+    whole = Run(engine, prompt, max_tokens=4, temperature=0, ignore_eos=True).wait()
+    steps = []
+    real_forward = engine.runner.forward
+
+    def forward(step):
+        steps.append(step.input_ids.shape[0])
+        return real_forward(step)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    stop = threading.Event()
+    busy = Run(engine, "Count slowly:", max_tokens=400, temperature=0, ignore_eos=True, cancel=stop.is_set)
+    while not busy.outputs:
+        busy.done.wait(0.01)
+    chunked = Run(engine, prompt, max_tokens=4, temperature=0, ignore_eos=True).wait()
+    stop.set()
+    busy.wait()
+    assert max(steps) <= chunk + 1  # the prompt's chunk and the busy request's decode token
+    assert sum(1 for n in steps if n > 2) >= 3
+    assert [t for o in chunked.outputs for t in o.token_ids] == [t for o in whole.outputs for t in o.token_ids]

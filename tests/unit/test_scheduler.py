@@ -13,8 +13,9 @@ def make(req_id, n_prompt, priority=5, arrival=0.0):
     return req
 
 
-def sched(blocks=64, bs=4, batch=8, prefill_batch=4, prefill_tokens=16):
-    return Scheduler(BlockManager(blocks, bs, enable_prefix_cache=False), batch, prefill_batch, prefill_tokens, 100)
+def sched(blocks=64, bs=4, batch=8, prefill_batch=4, prefill_tokens=16, chunk=0):
+    return Scheduler(BlockManager(blocks, bs, enable_prefix_cache=False), batch, prefill_batch, prefill_tokens, 100,
+                     prefill_chunk_tokens=chunk)
 
 
 def run_step(s):
@@ -39,6 +40,29 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     plan = run_step(s)
     sizes = {it.seq.request.request_id: it.num_tokens for it in plan.items}
     assert sizes == {"short": 1, "long": 15}
+
+
+def test_while_others_decode_a_step_carries_at_most_a_chunk_of_prompt_tokens():
+    s = sched(blocks=256, prefill_tokens=64, chunk=8)
+    s.add(make("long", 40, arrival=0))
+    plan = run_step(s)  # nothing decodes yet: the whole budget
+    assert [(it.seq.request.request_id, it.num_tokens) for it in plan.items] == [("long", 40)]
+    s.add(make("a", 5, arrival=1))
+    s.add(make("b", 6, arrival=2))
+    plan = run_step(s)  # "long" decodes now: 8 prompt tokens in all, a newcomer may be cut mid-prompt
+    assert {it.seq.request.request_id: it.num_tokens for it in plan.items} == {"long": 1, "a": 5, "b": 3}
+    plan = run_step(s)
+    assert {it.seq.request.request_id: it.num_tokens for it in plan.items} == {"long": 1, "a": 1, "b": 3}
+    plan = run_step(s)
+    assert {it.seq.request.request_id: it.num_tokens for it in plan.items} == {"long": 1, "a": 1, "b": 1}
+
+
+def test_a_burst_with_nothing_decoding_is_not_chunked():
+    s = sched(blocks=256, prefill_tokens=64, chunk=8)
+    for i in range(3):
+        s.add(make(f"r{i}", 10, arrival=i))
+    plan = run_step(s)
+    assert [it.num_tokens for it in plan.items] == [10, 10, 10]
 
 
 def test_priority_orders_admission():

@@ -3,7 +3,8 @@
 Each step first gives every running sequence its next decode token, then spends
 the rest of the token budget (``maxPrefillTokens``) on prefill: unfinished prompt
 chunks first, then newcomers in (priority, arrival) order. A long prompt is split
-into chunks, so it never stalls the decodes of everyone else. When the KV cache
+into chunks, so it never stalls the decodes of everyone else: while any sequence
+decodes, a step carries at most ``prefillChunkTokens`` prompt tokens. When the KV cache
 runs out, the least urgent, most recent request is preempted: its blocks are
 freed and it goes back to the queue to be recomputed later.
 """
@@ -44,11 +45,13 @@ class Plan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_prefill_batch_size: int,
-                 max_prefill_tokens: int, max_waiting: int):
+                 max_prefill_tokens: int, max_waiting: int, prefill_chunk_tokens: int = 0):
         self.blocks = blocks
         self.max_batch_size = max_batch_size
         self.max_prefill_batch_size = max_prefill_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        # prompt tokens a step may carry while other sequences decode (0: up to max_prefill_tokens)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_waiting = max_waiting
         self._order = itertools.count()
         self.waiting: list[tuple[int, float, int, Request]] = []  # heap
@@ -90,6 +93,9 @@ class Scheduler:
         budget = self.max_prefill_tokens
         prefills = 0
         running = sorted(self.running, key=lambda r: (r.priority, r.arrival))
+        decoding = self.prefill_chunk_tokens and any(
+            len(seq.token_ids) - seq.num_computed == 1 for req in running for seq in req.live_sequences())
+        chunk = self.prefill_chunk_tokens if decoding else budget  # prompt tokens this step may carry
         for req in running:
             if req not in self.running:  # preempted while making room for a more urgent one
                 continue
@@ -100,11 +106,12 @@ class Scheduler:
                         break
                     items.append(Scheduled(seq, 1))
                     budget -= 1
-                elif todo > 1 and budget > 0 and prefills < self.max_prefill_batch_size:
-                    items.append(Scheduled(seq, min(todo, budget)))
+                elif todo > 1 and min(budget, chunk) > 0 and prefills < self.max_prefill_batch_size:
+                    items.append(Scheduled(seq, min(todo, budget, chunk)))
                     budget -= items[-1].num_tokens
+                    chunk -= items[-1].num_tokens
                     prefills += 1
-        while self.waiting and budget > 0 and prefills < self.max_prefill_batch_size:
+        while self.waiting and min(budget, chunk) > 0 and prefills < self.max_prefill_batch_size:
             req = self.waiting[0][3]
             live = req.live_sequences()
             if len(items) + len(live) > self.max_batch_size:
@@ -114,11 +121,12 @@ class Scheduler:
             heapq.heappop(self.waiting)
             self.running.append(req)
             for seq in live:
-                if budget <= 0 or prefills >= self.max_prefill_batch_size:
+                if min(budget, chunk) <= 0 or prefills >= self.max_prefill_batch_size:
                     break
                 todo = len(seq.token_ids) - seq.num_computed
-                items.append(Scheduled(seq, min(todo, budget)))
+                items.append(Scheduled(seq, min(todo, budget, chunk)))
                 budget -= items[-1].num_tokens
+                chunk -= items[-1].num_tokens
                 prefills += 1
         return Plan(items, copies)
 
