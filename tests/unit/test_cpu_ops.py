@@ -379,3 +379,33 @@ def test_paged_attention_lets_go_of_the_gil_and_the_short_kernels_keep_it():
     assert _other_thread_ran_inside(lambda: ops.paged_attention(q, cache, out, rows, None, lens_t, ctx, 0.125))
     h, normed, weight = torch.randn(8192, 4096), torch.empty(8192, 4096), torch.ones(4096)
     assert not _other_thread_ran_inside(lambda: ops.add_rms_norm(h, None, normed, weight, 1e-5))
+
+
+def test_the_decoder_layers_in_one_call_give_the_bits_of_the_python_loop():
+    """bfloat16 on the fused Linear: steps of decodes and short prompts run every layer in one
+    C call (fused_layers.py), with the same kernels in the same order as the runner's loop."""
+    ops = cpu_ops.load(torch.bfloat16)
+    if ops is None or ops.bf16_kernel is None:
+        pytest.skip("no bfloat16 Linear kernel on this CPU (AMX or AVX512-BF16)")
+    runners = [_tiny_runner(torch.bfloat16, True) for _ in range(2)]
+    assert runners[0].fused_layers is not None
+    runners[1].fused_layers = None  # the Python loop
+    g = torch.Generator().manual_seed(7)
+    ids = lambda n: torch.randint(0, 300, (n,), generator=g).tolist()  # noqa: E731
+    a, b = ids(40), ids(150)
+    tables = dict(a=range(0, 6), b=range(6, 26), c=range(26, 28))
+    for runner in runners:  # fill the cache: long prompts, so the Python loop in both
+        step, _ = _run(runner, [_sequence(a, 0, 40, tables["a"]), _sequence(b, 0, 150, tables["b"])])
+        assert step.prefills
+    new_a, new_b, c, next_a = ids(1), ids(1), ids(12), ids(1)
+    results = []
+    for runner in runners:
+        step, mixed = _run(runner, [
+            _sequence(a + new_a, 40, 40, tables["a"]),  # decode at position 40
+            _sequence(b + new_b, 150, 150, tables["b"]),  # decode at position 150
+            _sequence(c, 0, 12, tables["c"]),  # a short prompt
+        ])
+        assert step.decode_rows.numel() == 2 and step.short_prefills is not None and not step.prefills
+        _, decodes = _run(runner, [_sequence(a + new_a + next_a, 41, 40, tables["a"])])
+        results.append((mixed, decodes, runner.kv.clone()))
+    assert all(torch.equal(x, y) for x, y in zip(*results))

@@ -33,21 +33,22 @@ from .weights import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c")]
+           for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "decoder_layers.c")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
-ABI_VERSION = 6
+ABI_VERSION = 7
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-# The long kernels (paged attention, the bfloat16 Linears, the logits' argmax and logsumexp;
-# C symbol prefixes) let go of the GIL while they run, so the Python stub's sender thread can
+# The long kernels (paged attention, the bfloat16 Linears, the logits' argmax and logsumexp,
+# the whole decoder stack; C symbol prefixes) let go of the GIL while they run, so the Python stub's sender thread can
 # build and send responses meanwhile instead of waiting for the engine thread to hand it over;
 # at 32 streams on a 2-core Sapphire Rapids, over eight runs taking turns (15 s loads and
 # full bench runs), the stack served 361-387 tokens/s with them releasing it against
 # 329-371 without (means 376 and 346); the engine alone did not change beyond its noise
 # (558-646 against 594-687). The short ones keep it: each retake could wait behind the
 # sender thread.
-RELEASE_GIL = ("paged_attention", "linear_amx_bf16", "linear_avx512_bf16", "argmax_logsumexp")
+RELEASE_GIL = ("paged_attention", "linear_amx_bf16", "linear_avx512_bf16", "argmax_logsumexp",
+               "decoder_layers")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
@@ -141,10 +142,21 @@ class CpuOps:
         else:
             self.bf16_kernel = next((kind for kind, (symbol, _) in _BF16_LINEARS.items()
                                      if bind(f"{symbol}_init", [], ctypes.c_int)()), None)
+        self._decoder_layers = None
         if self.bf16_kernel:
             symbol = _BF16_LINEARS[self.bf16_kernel][0]
             self._linear_bf16 = bind(symbol, [_P, _P, _P, _P, _I, _I, _I])
             self._bf16_pack = bind(f"{symbol}_pack", [_P, _P, _I, _I])
+            self._decoder_layers = bind("decoder_layers_bf16", [_P, _P])
+
+    @property
+    def linear_bf16_address(self) -> int | None:
+        """The bfloat16 Linear's C function, for kernels that call it themselves."""
+        return ctypes.cast(self._linear_bf16, ctypes.c_void_p).value if self._linear_bf16 else None
+
+    def decoder_layers(self, model: ctypes.Structure, step: ctypes.Structure) -> None:
+        """Every decoder layer of a bfloat16 step (``csrc/decoder_layers.c``; see :mod:`.fused_layers`)."""
+        self._decoder_layers(ctypes.addressof(model), ctypes.addressof(step))
 
     def set_threads(self, threads: int) -> None:
         """How many threads a call with enough work is split over (process-wide; 1 at load)."""

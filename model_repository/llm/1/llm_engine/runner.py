@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ops
+from .fused_layers import FusedLayers
 from .linear import Linear, PackedBf16Linear, choose_fp32_kernels, make_linear
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,9 @@ class ModelRunner:
         self._attend = matmul_attention if self.matmul_attention else sdpa_attention
         self.ops = self._load_fused_kernels() if fused_kernels else None
         self._fuse_projections()
+        self.fused_layers = FusedLayers.for_runner(self)  # every layer in one C call, where it can
+        if self.fused_layers is not None:
+            log.info("decoder layers in one fused call per step (steps without long prompt chunks)")
 
     def _fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up per layer instead of five small ones.
@@ -251,11 +255,14 @@ class ModelRunner:
         ops, heads, d = self.ops, self.num_heads, self.head_dim
         t = step.input_ids.shape[0]
         h = self.inner.embed_tokens(step.input_ids).contiguous()  # the residual stream, updated in place
+        ops.set_threads(torch.get_num_threads())
+        if self.fused_layers is not None and not step.prefills:  # the loop below, in C
+            self.fused_layers(h, step)
+            return self.lm_head(self.final_norm(h[step.logit_rows])).float()
         x = torch.empty_like(h)  # the normed input of the next matmul
         q = torch.empty(t, heads, d, dtype=h.dtype)
         attn = torch.empty(t, heads, d, dtype=h.dtype)
         act = torch.empty(t, self.intermediate, dtype=h.dtype)
-        ops.set_threads(torch.get_num_threads())
         delta = None
         for i in range(len(self.layers)):
             ops.add_rms_norm(h, delta, x, *self.norm_in[i])
