@@ -235,6 +235,12 @@ def _sequence(ids, computed, prompt_len, blocks):
                                  table=types.SimpleNamespace(blocks=list(blocks)))
 
 
+def _decodes_and_a_short_prompt(a, b, c, tables):
+    """Decodes at positions len(a) - 1 and len(b) - 1, and a short prompt c, in one step."""
+    return [_sequence(a, len(a) - 1, len(a) - 1, tables["a"]), _sequence(b, len(b) - 1, len(b) - 1, tables["b"]),
+            _sequence(c, 0, len(c), tables["c"])]
+
+
 def _run(runner, seqs):
     plan = Plan([Scheduled(s, len(s.token_ids) - s.num_computed) for s in seqs], [])
     step, _ = build_step_input(plan, 8, torch.device("cpu"), runner.dummy_slot)
@@ -261,9 +267,7 @@ def test_the_fused_forward_matches_the_torch_path_on_a_mixed_step():
     results = []
     for runner in runners:
         step, logits = _run(runner, [
-            _sequence(a + new_a, 40, 40, tables["a"]),  # decode at position 40
-            _sequence(b + new_b, 150, 150, tables["b"]),  # decode at position 150
-            _sequence(c, 0, 12, tables["c"]),  # a short prompt
+            *_decodes_and_a_short_prompt(a + new_a, b + new_b, c, tables),  # decodes at 40 and 150
             _sequence(d, 0, 140, tables["d"]),  # a long prompt in one chunk
             _sequence(e + more_e, 200, 230, tables["e"]),  # the last chunk of a long prompt
         ])
@@ -400,11 +404,7 @@ def test_the_decoder_layers_in_one_call_give_the_bits_of_the_python_loop():
     new_a, new_b, c, next_a = ids(1), ids(1), ids(12), ids(1)
     results = []
     for runner in runners:
-        step, mixed = _run(runner, [
-            _sequence(a + new_a, 40, 40, tables["a"]),  # decode at position 40
-            _sequence(b + new_b, 150, 150, tables["b"]),  # decode at position 150
-            _sequence(c, 0, 12, tables["c"]),  # a short prompt
-        ])
+        step, mixed = _run(runner, _decodes_and_a_short_prompt(a + new_a, b + new_b, c, tables))
         assert step.decode_rows.numel() == 2 and step.short_prefills is not None and not step.prefills
         _, decodes = _run(runner, [_sequence(a + new_a + next_a, 41, 40, tables["a"])])
         results.append((mixed, decodes, runner.kv.clone()))

@@ -80,14 +80,20 @@ def test_logprobs_and_top_alternatives(sample):
     assert res.top[0][0][1] == res.logprobs[0]  # the chosen token's logprob, the same bits in both places
 
 
+def _tied_scores(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """9 rows of integer scores (many ties), with maxima in the tail, tied between the first
+    block and the tail, tied across blocks, and a row all equal."""
+    scores = torch.randint(-40, 40, (9, vocab), generator=gen).float()
+    scores[1, -1] = 1000.0
+    scores[2, 0] = scores[2, -1] = 1000.0
+    scores[3, 5] = scores[3, vocab // 2] = 1000.0
+    scores[4] = -5.0
+    return scores
+
+
 @pytest.mark.parametrize("vocab", [7, 1024, 2048, 49152, 50257, 151936])
 def test_greedy_tokens_equal_argmax_with_ties_and_any_vocab(vocab):
-    gen = torch.Generator().manual_seed(vocab)
-    scores = torch.randint(-40, 40, (9, vocab), generator=gen).float()  # many ties
-    scores[1, -1] = 1000.0  # maximum in the tail
-    scores[2, 0] = scores[2, -1] = 1000.0  # tie between the first block and the tail
-    scores[3, 5] = scores[3, vocab // 2] = 1000.0  # tie across blocks
-    scores[4] = -5.0  # all equal
+    scores = _tied_scores(vocab, torch.Generator().manual_seed(vocab))
     assert torch.equal(greedy_tokens(scores), torch.argmax(scores, dim=-1))
     assert torch.equal(greedy_tokens(scores[:1]), torch.argmax(scores[:1], dim=-1))
 
@@ -98,11 +104,7 @@ def test_the_fused_row_stats_give_the_first_argmax_and_the_logsumexp(vocab):
     if ops is None:
         pytest.skip("no C compiler on this machine")
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randint(-40, 40, (9, vocab), generator=gen).float()  # many ties
-    logits[1, -1] = 1000.0  # maximum in the tail
-    logits[2, 0] = logits[2, -1] = 1000.0  # tie between the first block and the tail
-    logits[3, 5] = logits[3, vocab // 2] = 1000.0  # tie across blocks
-    logits[4] = -5.0  # all equal
+    logits = _tied_scores(vocab, gen)
     logits[5:] = torch.randn(4, vocab, generator=gen) * 4
     tokens, lse = ops.argmax_logsumexp(logits)
     assert torch.equal(tokens, torch.argmax(logits, dim=-1))
