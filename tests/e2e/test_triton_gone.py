@@ -50,9 +50,13 @@ class TcpProxy:
         for conn in self._conns:
             try:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                conn.close()  # with linger 0: a reset, as when a server dies
+                # shutdown() first: close() alone leaves a pipe thread blocked in recv() on the
+                # socket, which holds it open (no reset is sent) until data comes, and from the
+                # adapter's side none may ever come
+                conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            conn.close()  # with linger 0: a reset, as when a server dies
         self._conns.clear()
 
     def _accept(self, listener: socket.socket) -> None:
