@@ -1,19 +1,16 @@
 """The fused CPU kernels (llm_engine/cpu_ops.py) against torch references, their batch
-invariance, the runner's fused forward against its torch path, and the fallback when
-no compiler is found."""
+invariance, how the library is built, and which kernels let go of the GIL. The runner's
+forward on them: test_fused_forward.py."""
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from llm_engine import cpu_cores, cpu_ops
-from llm_engine.batch import build_step_input
-from llm_engine.runner import ModelRunner, rotate
-from llm_engine.scheduler import Plan, Scheduled
+from llm_engine.runner import rotate
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results are rounded once from float32 here, and in several steps by torch
@@ -219,76 +216,6 @@ def test_a_nan_stays_nan_through_silu_mul(dtype):
     assert out[0, 3].isnan() and not out[0, :3].isnan().any() and not out[1].isnan().any()
 
 
-def _tiny_runner(dtype, fused):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    return ModelRunner(model, torch.device("cpu"), dtype, num_blocks=128, block_size=8, max_positions=512,
-                       fused_kernels=fused)
-
-
-def _sequence(ids, computed, prompt_len, blocks):
-    return types.SimpleNamespace(token_ids=ids, num_computed=computed, prompt_len=prompt_len,
-                                 table=types.SimpleNamespace(blocks=list(blocks)))
-
-
-def _decodes_and_a_short_prompt(a, b, c, tables):
-    """Decodes at positions len(a) - 1 and len(b) - 1, and a short prompt c, in one step."""
-    return [_sequence(a, len(a) - 1, len(a) - 1, tables["a"]), _sequence(b, len(b) - 1, len(b) - 1, tables["b"]),
-            _sequence(c, 0, len(c), tables["c"])]
-
-
-def _run(runner, seqs):
-    plan = Plan([Scheduled(s, len(s.token_ids) - s.num_computed) for s in seqs], [])
-    step, _ = build_step_input(plan, 8, torch.device("cpu"), runner.dummy_slot)
-    return step, runner.forward(step)
-
-
-def test_the_fused_forward_matches_the_torch_path_on_a_mixed_step():
-    """One step with two decodes, a short prompt, a long prompt (SDPA) and a later chunk
-    of a long prompt: logits and the KV cache agree with the torch path (float32)."""
-    if cpu_ops.load(torch.float32) is None:
-        pytest.skip("no C compiler on this machine")
-    runners = [_tiny_runner(torch.float32, fused) for fused in (True, False)]
-    assert runners[0].ops is not None and runners[1].ops is None
-    g = torch.Generator().manual_seed(5)
-    ids = lambda n: torch.randint(0, 300, (n,), generator=g).tolist()  # noqa: E731
-    a, b, e = ids(40), ids(150), ids(200)  # already in the cache: two decodes and a chunked prompt
-    tables = dict(a=range(0, 6), b=range(6, 26), c=range(26, 28), d=range(28, 46), e=range(46, 75))
-    for runner in runners:  # the same cache to start from, filled by the torch path
-        ops, runner.ops = runner.ops, None
-        _run(runner, [_sequence(a, 0, 40, tables["a"]), _sequence(b, 0, 150, tables["b"]),
-                      _sequence(e, 0, 230, tables["e"])])
-        runner.ops = ops
-    new_a, new_b, c, d, more_e = ids(1), ids(1), ids(12), ids(140), ids(30)
-    results = []
-    for runner in runners:
-        step, logits = _run(runner, [
-            *_decodes_and_a_short_prompt(a + new_a, b + new_b, c, tables),  # decodes at 40 and 150
-            _sequence(d, 0, 140, tables["d"]),  # a long prompt in one chunk
-            _sequence(e + more_e, 200, 230, tables["e"]),  # the last chunk of a long prompt
-        ])
-        assert step.decode_rows.numel() == 2 and step.short_prefills is not None and len(step.prefills) == 2
-        results.append((logits, runner.kv.clone()))
-    (fused, kv_fused), (plain, kv_plain) = results
-    assert fused.shape == (5, 300)
-    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(kv_fused, kv_plain, rtol=1e-5, atol=1e-5)
-
-
-def test_no_compiler_means_the_torch_path(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", "no-such-compiler")
-    monkeypatch.setattr(cpu_cores.shutil, "which", lambda name: None)
-    monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_ops, "_library", None)
-    assert cpu_ops.load(torch.float32) is None
-    assert _tiny_runner(torch.float32, fused=True).ops is None
-    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
-
-
 def test_a_failing_build_means_the_torch_path_and_leaves_no_file(monkeypatch, tmp_path):
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
@@ -383,29 +310,3 @@ def test_paged_attention_lets_go_of_the_gil_and_the_short_kernels_keep_it():
     assert _other_thread_ran_inside(lambda: ops.paged_attention(q, cache, out, rows, None, lens_t, ctx, 0.125))
     h, normed, weight = torch.randn(8192, 4096), torch.empty(8192, 4096), torch.ones(4096)
     assert not _other_thread_ran_inside(lambda: ops.add_rms_norm(h, None, normed, weight, 1e-5))
-
-
-def test_the_decoder_layers_in_one_call_give_the_bits_of_the_python_loop():
-    """bfloat16 on the fused Linear: steps of decodes and short prompts run every layer in one
-    C call (fused_layers.py), with the same kernels in the same order as the runner's loop."""
-    ops = cpu_ops.load(torch.bfloat16)
-    if ops is None or ops.bf16_kernel is None:
-        pytest.skip("no bfloat16 Linear kernel on this CPU (AMX or AVX512-BF16)")
-    runners = [_tiny_runner(torch.bfloat16, True) for _ in range(2)]
-    assert runners[0].fused_layers is not None
-    runners[1].fused_layers = None  # the Python loop
-    g = torch.Generator().manual_seed(7)
-    ids = lambda n: torch.randint(0, 300, (n,), generator=g).tolist()  # noqa: E731
-    a, b = ids(40), ids(150)
-    tables = dict(a=range(0, 6), b=range(6, 26), c=range(26, 28))
-    for runner in runners:  # fill the cache: long prompts, so the Python loop in both
-        step, _ = _run(runner, [_sequence(a, 0, 40, tables["a"]), _sequence(b, 0, 150, tables["b"])])
-        assert step.prefills
-    new_a, new_b, c, next_a = ids(1), ids(1), ids(12), ids(1)
-    results = []
-    for runner in runners:
-        step, mixed = _run(runner, _decodes_and_a_short_prompt(a + new_a, b + new_b, c, tables))
-        assert step.decode_rows.numel() == 2 and step.short_prefills is not None and not step.prefills
-        _, decodes = _run(runner, [_sequence(a + new_a + next_a, 41, 40, tables["a"])])
-        results.append((mixed, decodes, runner.kv.clone()))
-    assert all(torch.equal(x, y) for x, y in zip(*results))
