@@ -40,8 +40,9 @@ OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-thre
 ABI_VERSION = 7
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # The long kernels (paged attention, the bfloat16 Linears, the logits' argmax and logsumexp,
-# the whole decoder stack; C symbol prefixes) let go of the GIL while they run, so the Python stub's sender thread can
-# build and send responses meanwhile instead of waiting for the engine thread to hand it over;
+# the whole decoder stack; C symbol prefixes) let go of the GIL while they run, so the Python
+# stub's sender thread can build and send responses meanwhile instead of waiting for the
+# engine thread to hand it over;
 # at 32 streams on a 2-core Sapphire Rapids, over eight runs taking turns (15 s loads and
 # full bench runs), the stack served 361-387 tokens/s with them releasing it against
 # 329-371 without (means 376 and 346); the engine alone did not change beyond its noise
@@ -115,7 +116,8 @@ def build_library() -> Path | None:
     return target
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr_or_none(t: torch.Tensor | None) -> int | None:
+    """``t``'s address, or None (C's NULL) for no tensor."""
     return None if t is None else t.data_ptr()
 
 
@@ -166,7 +168,7 @@ class CpuOps:
                      weight: torch.Tensor, eps: float) -> None:
         """``h += delta`` in place (when given), then ``out = rms_norm(h) * weight`` (when given)."""
         rows, dim = h.shape
-        self._add_rms_norm(h.data_ptr(), _ptr(delta), _ptr(out), weight.data_ptr(), rows, dim, eps)
+        self._add_rms_norm(h.data_ptr(), ptr_or_none(delta), ptr_or_none(out), weight.data_ptr(), rows, dim, eps)
 
     def rope_store_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin_signed: torch.Tensor, heads: int, kv_heads: int, q_out: torch.Tensor,
@@ -182,7 +184,7 @@ class CpuOps:
         """Query ``rows`` of ``q [T, H, D]`` over the first ``lens`` slots of their ``ctx_slots``
         row (row ``ctx[i]``, or ``i`` when ``ctx`` is None), into the same rows of ``out``."""
         _, heads, d = q.shape
-        self._paged_attention(q.data_ptr(), cache.data_ptr(), out.data_ptr(), rows.data_ptr(), _ptr(ctx),
+        self._paged_attention(q.data_ptr(), cache.data_ptr(), out.data_ptr(), rows.data_ptr(), ptr_or_none(ctx),
                               lens.data_ptr(), ctx_slots.data_ptr(), ctx_slots.shape[1], rows.shape[0], heads,
                               cache.shape[1], d, cache.shape[2], scale)
 
@@ -207,7 +209,7 @@ class CpuOps:
         """``x @ weight.T + bias`` for one float32 row ``x [1, K]`` and ``weight [N, K]``."""
         x = x.contiguous()
         out = torch.empty(1, weight.shape[0], dtype=torch.float32)
-        self._linear_row(x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0],
+        self._linear_row(x.data_ptr(), weight.data_ptr(), ptr_or_none(bias), out.data_ptr(), weight.shape[0],
                          weight.shape[1])
         return out
 
@@ -233,7 +235,7 @@ class CpuOps:
         m, (n, k) = x.shape[0], packed.shape
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
-            self._linear_bf16(x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), m, n, k)
+            self._linear_bf16(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, k)
         return out
 
 

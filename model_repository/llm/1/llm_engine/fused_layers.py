@@ -14,6 +14,7 @@ import ctypes
 
 import torch
 
+from .cpu_ops import ptr_or_none
 from .linear import PackedBf16Linear
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -49,10 +50,8 @@ class FusedLayers:
     """The runner's decoder layers as one C call; build with :meth:`for_runner`."""
 
     def __init__(self, runner) -> None:
-        self.ops = runner.ops
         self.runner = runner
         n = len(runner.layers)
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         # The arrays the struct points into, kept alive with it.
         self._arrays = {
             "norm_in": _pointers([w.data_ptr() for w, _ in runner.norm_in]),
@@ -63,15 +62,15 @@ class FusedLayers:
             "o": _pointers([lin.packed.data_ptr() for lin in runner.o_proj]),
             "gate_up": _pointers([lin.packed.data_ptr() for lin in runner.gate_up]),
             "down": _pointers([lin.packed.data_ptr() for lin in runner.down]),
-            "qkv_bias": _pointers([ptr(lin.bias) for lin in runner.qkv]),
-            "o_bias": _pointers([ptr(lin.bias) for lin in runner.o_proj]),
-            "down_bias": _pointers([ptr(lin.bias) for lin in runner.down]),
+            "qkv_bias": _pointers([ptr_or_none(lin.bias) for lin in runner.qkv]),
+            "o_bias": _pointers([ptr_or_none(lin.bias) for lin in runner.o_proj]),
+            "down_bias": _pointers([ptr_or_none(lin.bias) for lin in runner.down]),
             "kv": _pointers([runner.kv[i].data_ptr() for i in range(n)]),
         }
         self.model = DecoderModel(
             layers=n, hidden=runner.inner.embed_tokens.weight.shape[1], heads=runner.num_heads,
             kv_heads=runner.num_kv_heads, head_dim=runner.head_dim, inter=runner.intermediate,
-            num_slots=runner.kv.shape[3], scale=runner.scaling, linear=self.ops.linear_bf16_address,
+            num_slots=runner.kv.shape[3], scale=runner.scaling, linear=runner.ops.linear_bf16_address,
             **{name: ctypes.addressof(array) for name, array in self._arrays.items()})
 
     @classmethod
@@ -105,4 +104,4 @@ class FusedLayers:
             s.prefill_n, s.prefill_width = pb.q_rows.shape[0], pb.shape[2]
             s.prefill_rows, s.prefill_seq = pb.q_rows.data_ptr(), pb.q_seq.data_ptr()
             s.prefill_lens, s.prefill_slots = pb.q_lens.data_ptr(), pb.kv_slots.data_ptr()
-        self.ops.decoder_layers(self.model, s)
+        r.ops.decoder_layers(self.model, s)
