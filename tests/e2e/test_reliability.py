@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import ssl
-import threading
 import time
 
 import httpx
@@ -224,22 +223,16 @@ def test_infer_client_timeout(client):
 def test_overload_is_an_immediate_503_with_retry_after(adapter_with):
     a = adapter_with(maxLinkNum=1)
     a.wait()
-    done = threading.Event()
-
-    def long_request():
-        with httpx.Client(timeout=60) as c:
-            c.post(a.url + "/v1/completions", json=dict(GOOD, max_tokens=60, ignore_eos=True))
-        done.set()
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    r = httpx.post(a.url + "/v1/completions", json=GOOD, timeout=10)
-    assert r.status_code == 503 and r.headers["retry-after"]
-    assert time.monotonic() - t0 < 1
-    t.join()
-    assert done.is_set()
+    with httpx.Client(timeout=60) as c, c.stream(
+            "POST", a.url + "/v1/completions", json=dict(GOOD, max_tokens=150, ignore_eos=True, stream=True)) as first:
+        assert first.status_code == 200
+        events = first.iter_lines()
+        assert next(events).startswith("data: ")  # generating: it holds the only link
+        t0 = time.monotonic()
+        r = httpx.post(a.url + "/v1/completions", json=GOOD, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert time.monotonic() - t0 < 1
+        assert [line for line in events if line][-1] == "data: [DONE]"  # the first one was not disturbed
     assert httpx.post(a.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
 
 
