@@ -11,12 +11,13 @@ from llm_engine.params import parse_sampling_parameters
 from llm_engine.sequence import Request
 
 
-def build(dtype="float32", cpu_kernels="auto", **schedule):
+def build(dtype="float32", cpu_kernels="auto", linear_weights="auto", **schedule):
     from llm_engine.factory import build_engine
 
     s = Settings()
     s.model.dtype = dtype
     s.model.cpuKernels = cpu_kernels
+    s.model.cpuLinearWeights = linear_weights
     for k, v in schedule.items():
         setattr(s.schedule, k, v)
     eng = build_engine(s)

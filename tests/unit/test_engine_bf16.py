@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from llm_engine import cpu_ops
+from llm_engine.linear import PackedQ4Linear
 
 from tests.unit.engine_harness import Run, build
 
@@ -26,10 +27,13 @@ def _cpu_has_amx() -> bool:
 AMX = _cpu_has_amx()
 
 
-@pytest.fixture(scope="module", params=["fused", "torch"])
+@pytest.fixture(scope="module", params=["fused", "torch", "gguf"])
 def bf16_engine(request):
-    """The engine with the fused CPU kernels (where they build) and with the torch path."""
-    eng = build(dtype="bfloat16", cpu_kernels="auto" if request.param == "fused" else "off", kvCacheMemoryMiB=64)
+    """The engine with the fused CPU kernels (where they build) on dense weights, with the torch
+    path, and with the fused kernels on the GGUF's Q4_1 blocks (``cpuLinearWeights`` ``gguf``,
+    what ``auto`` picks on AVX512-BF16 CPUs without AMX; dense where the CPU has no AVX512-BF16)."""
+    eng = build(dtype="bfloat16", cpu_kernels="off" if request.param == "torch" else "auto", kvCacheMemoryMiB=64,
+                linear_weights="gguf" if request.param == "gguf" else "dense")
     assert (eng.runner.ops is None) == (request.param == "torch" or eng.runner.device.type != "cpu"
                                         or cpu_ops.load(torch.bfloat16) is None)
     yield eng
@@ -110,6 +114,7 @@ def test_bf16_short_prompt_split_by_the_token_budget_gives_the_same_bits(bf16_en
     exact = bf16_engine.runner.matmul_attention and not (AMX and bf16_engine.runner.ops is None)
     monkeypatch.setattr(bf16_engine.blocks, "enable_prefix_cache", False)
     small = build(dtype="bfloat16", cpu_kernels="auto" if bf16_engine.runner.ops else "off", kvCacheMemoryMiB=64,
+                  linear_weights="gguf" if isinstance(bf16_engine.runner.qkv[0], PackedQ4Linear) else "dense",
                   maxPrefillTokens=17, enablePrefixCache=False)
     try:
         tok = bf16_engine.tokenizer

@@ -83,14 +83,38 @@ def test_no_compiler_means_the_torch_path(monkeypatch, tmp_path):
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
 
 
-def test_the_decoder_layers_in_one_call_give_the_bits_of_the_python_loop():
+def _on_q4_blocks(runner) -> None:
+    """Every projection of ``runner`` on random GGUF Q4_1 blocks (the same for every runner)."""
+    from llm_engine.fused_layers import FusedLayers
+    from llm_engine.linear import PackedQ4Linear
+
+    from tests.unit.test_linear_q4 import _blocks
+
+    for i in range(len(runner.layers)):
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            lin = getattr(runner, name)[i]
+            n, k = lin.packed.shape
+            blocks = torch.from_numpy(_blocks(n, k, seed=100 * i + len(name)))
+            getattr(runner, name)[i] = PackedQ4Linear(blocks, n, k, None, runner.ops)
+    runner.fused_layers = FusedLayers.for_runner(runner)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q4"])
+def test_the_decoder_layers_in_one_call_give_the_bits_of_the_python_loop(weights):
     """bfloat16 on the fused Linear: steps of decodes and short prompts run every layer in one
     C call (fused_layers.py), with the same kernels in the same order as the runner's loop."""
     ops = cpu_ops.load(torch.bfloat16)
     if ops is None or ops.bf16_kernel is None:
         pytest.skip("no bfloat16 Linear kernel on this CPU (AMX or AVX512-BF16)")
+    if weights == "q4" and not ops.has_linear_q4:
+        pytest.skip("no Q4_1 Linear kernel on this CPU (AVX512-BF16)")
     runners = [_tiny_runner(torch.bfloat16, True) for _ in range(2)]
+    if weights == "q4":
+        for runner in runners:
+            _on_q4_blocks(runner)
     assert runners[0].fused_layers is not None
+    assert runners[0].fused_layers.model.linear == (ops.linear_q4_address if weights == "q4"
+                                                    else ops.linear_bf16_address)
     runners[1].fused_layers = None  # the Python loop
     g = torch.Generator().manual_seed(7)
     ids = lambda n: torch.randint(0, 300, (n,), generator=g).tolist()  # noqa: E731

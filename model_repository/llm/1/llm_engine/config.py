@@ -83,6 +83,12 @@ class ModelSection(_Section):
                             "C compiler at first load (llm_engine/cpu_ops.py), where the model is a "
                             "standard Llama-family one; the torch path is used where they can't be built; "
                             "off: always the torch path")
+    cpuLinearWeights: Literal["auto", "dense", "gguf"] = Field(
+        "auto", description="gguf: where the model is a GGUF whose layer Linears are Q4_1 (the embedded default "
+                            "is), they read those 4-bit blocks (csrc/linear_q4.c; bfloat16 with the fused kernels on "
+                            "a CPU with AVX512-BF16), else dense with a warning; dense: the weights dequantised at "
+                            "load; auto (default): gguf where it applies, except on CPUs with AMX (not measured "
+                            "there), else dense")
 
     @field_validator("modelName")
     @classmethod

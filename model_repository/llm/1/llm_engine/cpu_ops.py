@@ -33,11 +33,11 @@ from .weights import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "decoder_layers.c")]
+           for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "linear_q4.c", "decoder_layers.c")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
-ABI_VERSION = 7
+ABI_VERSION = 8
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # The long kernels (paged attention, the bfloat16 Linears, the logits' argmax and logsumexp,
 # the whole decoder stack; C symbol prefixes) let go of the GIL while they run, so the Python
@@ -48,7 +48,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # 329-371 without (means 376 and 346); the engine alone did not change beyond its noise
 # (558-646 against 594-687). The short ones keep it: each retake could wait behind the
 # sender thread.
-RELEASE_GIL = ("paged_attention", "linear_amx_bf16", "linear_avx512_bf16", "argmax_logsumexp",
+RELEASE_GIL = ("paged_attention", "linear_amx_bf16", "linear_avx512_bf16", "linear_q4_bf16", "argmax_logsumexp",
                "decoder_layers")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -145,6 +145,11 @@ class CpuOps:
             self.bf16_kernel = next((kind for kind, (symbol, _) in _BF16_LINEARS.items()
                                      if bind(f"{symbol}_init", [], ctypes.c_int)()), None)
         self._decoder_layers = None
+        self._linear_q4 = self._q4_pack = None
+        if dtype == torch.bfloat16 and bind("linear_q4_bf16_init", [], ctypes.c_int)():
+            self._linear_q4 = bind("linear_q4_bf16", [_P, _P, _P, _P, _I, _I, _I])
+            self._q4_pack = bind("linear_q4_bf16_pack", [_P, _P, _I, _I])
+            self._q4_dequantize = bind("linear_q4_bf16_dequantize", [_P, _P, _I, _I])
         if self.bf16_kernel:
             symbol = _BF16_LINEARS[self.bf16_kernel][0]
             self._linear_bf16 = bind(symbol, [_P, _P, _P, _P, _I, _I, _I])
@@ -155,6 +160,11 @@ class CpuOps:
     def linear_bf16_address(self) -> int | None:
         """The bfloat16 Linear's C function, for kernels that call it themselves."""
         return ctypes.cast(self._linear_bf16, ctypes.c_void_p).value if self._linear_bf16 else None
+
+    @property
+    def linear_q4_address(self) -> int | None:
+        """The Q4_1 Linear's C function (same signature as the bfloat16 one), or None."""
+        return ctypes.cast(self._linear_q4, ctypes.c_void_p).value if self._linear_q4 else None
 
     def decoder_layers(self, model: ctypes.Structure, step: ctypes.Structure) -> None:
         """Every decoder layer of a bfloat16 step (``csrc/decoder_layers.c``; see :mod:`.fused_layers`)."""
@@ -236,6 +246,49 @@ class CpuOps:
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
             self._linear_bf16(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, k)
+        return out
+
+    @property
+    def has_linear_q4(self) -> bool:
+        """Is the GGUF Q4_1 Linear (``csrc/linear_q4.c``, AVX512-BF16) built here?"""
+        return self._linear_q4 is not None
+
+    @staticmethod
+    def q4_fits(n: int, k: int) -> bool:
+        """Can :meth:`linear_q4` serve an ``[n, k]`` weight (whole blocks of 16 outputs and 32 inputs)?"""
+        return n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0
+
+    def _q4_blocks(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        blocks = blocks.contiguous()
+        if not self.q4_fits(n, k) or blocks.dtype != torch.uint8 or blocks.numel() != n * k // 32 * 20:
+            raise ValueError(f"not the Q4_1 blocks of a {n}x{k} weight that fits: {blocks.dtype} "
+                             f"{tuple(blocks.shape)}")
+        return blocks
+
+    def q4_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q4_1 blocks ``uint8 [N, K / 32 * 20]`` in the layout :meth:`linear_q4` reads
+        (``uint8 [N * K * 3 / 4]``)."""
+        blocks = self._q4_blocks(blocks, n, k)
+        packed = torch.empty(n * k * 3 // 4, dtype=torch.uint8)
+        self._q4_pack(blocks.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def q4_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """The bfloat16 weight ``[N, K]`` GGUF Q4_1 blocks dequantise to, as gguf-py and torch
+        compute it (float32 ``d * q + m``, rounded to nearest even)."""
+        blocks = self._q4_blocks(blocks, n, k)
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        self._q4_dequantize(blocks.data_ptr(), out.data_ptr(), n, k)
+        return out
+
+    def linear_q4(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, the weight from :meth:`q4_pack` and a
+        float32 ``bias``; each row's bits are the same whatever ``M``."""
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m:
+            self._linear_q4(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, x.shape[1])
         return out
 
 

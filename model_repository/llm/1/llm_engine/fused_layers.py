@@ -1,8 +1,9 @@
 """Every decoder layer of a bfloat16 CPU step in one call (``csrc/decoder_layers.c``).
 
-Where every projection of the model runs on the fused kernels' bfloat16 Linear (AMX or
-AVX512-BF16), the runner's layer loop is nothing but kernel calls, so the whole loop can
-run in C: the same kernels on the same data in the same order, the same bits, without
+Where every projection of the model runs on one of the fused kernels' Linears (bfloat16 on
+AMX or AVX512-BF16, or GGUF Q4_1 blocks), the runner's layer loop is nothing but kernel
+calls, so the whole loop can run in C: the same kernels on the same data in the same
+order, the same bits, without
 ~120 ctypes calls and their tensors a step, and with the GIL released for all of it. The
 runner keeps its Python loop for steps with long prompt chunks (attended with SDPA) and
 for every other model, dtype and device.
@@ -15,7 +16,7 @@ import ctypes
 import torch
 
 from .cpu_ops import ptr_or_none
-from .linear import PackedBf16Linear
+from .linear import PackedBf16Linear, PackedQ4Linear
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -49,7 +50,8 @@ def _pointers(items, ctype=_P) -> ctypes.Array:
 class FusedLayers:
     """The runner's decoder layers as one C call; build with :meth:`for_runner`."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, linear: int) -> None:
+        """``linear``: the address of the C Linear every projection runs on."""
         self.runner = runner
         n = len(runner.layers)
         # The arrays the struct points into, kept alive with it.
@@ -70,19 +72,22 @@ class FusedLayers:
         self.model = DecoderModel(
             layers=n, hidden=runner.inner.embed_tokens.weight.shape[1], heads=runner.num_heads,
             kv_heads=runner.num_kv_heads, head_dim=runner.head_dim, inter=runner.intermediate,
-            num_slots=runner.kv.shape[3], scale=runner.scaling, linear=runner.ops.linear_bf16_address,
+            num_slots=runner.kv.shape[3], scale=runner.scaling, linear=linear,
             **{name: ctypes.addressof(array) for name, array in self._arrays.items()})
 
     @classmethod
     def for_runner(cls, runner) -> FusedLayers | None:
-        """For a bfloat16 model on the fused kernels whose every projection is on their Linear."""
+        """For a bfloat16 model on the fused kernels whose every projection is on the same one of
+        their Linears."""
         ops = runner.ops
         if ops is None or runner.dtype != torch.bfloat16 or not ops.linear_bf16_address:
             return None
-        projections = [*runner.qkv, *runner.o_proj, *runner.gate_up, *runner.down]
-        if not all(isinstance(lin, PackedBf16Linear) for lin in projections):
-            return None
-        return cls(runner)
+        kinds = {type(lin) for lin in [*runner.qkv, *runner.o_proj, *runner.gate_up, *runner.down]}
+        if kinds == {PackedBf16Linear}:
+            return cls(runner, ops.linear_bf16_address)
+        if kinds == {PackedQ4Linear}:
+            return cls(runner, ops.linear_q4_address)
+        return None
 
     def __call__(self, h: torch.Tensor, step) -> None:
         """Run every layer over the residual stream ``h [T, hidden]`` (contiguous, updated in place)."""

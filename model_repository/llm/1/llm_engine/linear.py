@@ -28,6 +28,13 @@ held for its data but not for all). On AVX512-BF16 without AMX, on a 2-core AMD 
 took 8.7 against 13.4 ms at one row (31 GB/s of weights, against 20 for oneDNN), 10.2
 against 14.0 at 8 rows and 25.4 against 27.9 at 32 rows (~340 GFLOP/s).
 
+GGUF Q4_1 blocks (``ModelConfig.cpuLinearWeights``, :class:`PackedQ4Linear`). Where the
+model is a GGUF whose layer Linears are Q4_1 (the embedded SmolLM2 is), the decoder
+Linears can read those blocks, 0.75 bytes a weight, instead of the dequantised bfloat16
+weights (``csrc/linear_q4.c``, on AVX512-BF16; :mod:`.gguf_q4` maps and checks the
+blocks). Batch-invariant by construction too, with other last bits than the bfloat16
+kernel (a scale per block of 32, applied in float32).
+
 float32 on CPU. Whether oneDNN's prepacked kernel beats ``F.linear`` (MKL) depends on the
 CPU: on a 2-core AVX2 EPYC (no AVX-512) 120 layer matmuls at 8 rows took 71 ms prepacked
 against 120 ms, at 32 rows 217 against 272, but at one row 45 against 35. So the runner
@@ -72,7 +79,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, ops=None
         return Fp32Linear(weight, bias)
     if ops is not None and ops.bf16_fits(weight):
         packed = PackedBf16Linear(weight, bias, ops)
-        if _packed_invariant(packed, weight):
+        if packed_invariant(packed, tuple(weight.shape)):
             return packed
     key = (*weight.shape, weight.dtype, weight.device.type)
     if key not in _strategy_for_shape:
@@ -113,17 +120,36 @@ class PackedBf16Linear:
         return self.ops.linear_bf16(x, self.packed, self.bias)
 
 
+class PackedQ4Linear:
+    """GGUF Q4_1 weights on the fused kernels' Q4 Linear (``csrc/linear_q4.c``, AVX512-BF16;
+    ``ModelConfig.cpuLinearWeights``), batch-invariant as it is. Holds only the packed blocks,
+    0.75 bytes a weight. Over SmolLM2-135M's 120 layer matmuls on a 2-core AMD EPYC (best of
+    four, taking turns with the bfloat16 kernel, ms): 4.4-4.7 against 8.0-8.3 at one row, 4.6
+    against 9.1 at two, 4.6 against 7.5 at four, 7.0 against 8.1 at eight, 12.7 against 13.9
+    at 16, 22.5 against 22.5 at 32, 39.5 against 38.0 at 64 and 159 against 145 at 256 rows."""
+
+    def __init__(self, blocks: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, ops):
+        self.ops = ops
+        self.n = n
+        self.packed = ops.q4_pack(blocks, n, k)
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear_q4(x, self.packed, self.n, self.bias)
+
+
 _packed_checked: dict[tuple, bool] = {}  # (kernel, N, K) -> passed the batch-invariance probe
 
 
-def _packed_invariant(linear: PackedBf16Linear, weight: torch.Tensor) -> bool:
-    """Probe the packed Linear once per shape (it is invariant by construction; this checks the
-    machine). A shape that fails keeps oneDNN's invariant form, with a warning."""
-    key = (linear.ops.bf16_kernel, *weight.shape)
+def packed_invariant(linear: PackedBf16Linear | PackedQ4Linear, weight_shape: tuple[int, int]) -> bool:
+    """Probe a fused-kernel Linear once per kernel and shape (it is invariant by construction;
+    this checks the machine). A shape that fails keeps a dense or oneDNN form, with a warning."""
+    kernel = linear.ops.bf16_kernel if isinstance(linear, PackedBf16Linear) else "q4_1"
+    key = (kernel, *weight_shape)
     if key not in _packed_checked:
-        _packed_checked[key] = is_batch_invariant(linear, weight.shape[1], weight.dtype, weight.device)
+        _packed_checked[key] = is_batch_invariant(linear, weight_shape[1], torch.bfloat16, torch.device("cpu"))
         if not _packed_checked[key]:
-            log.warning("linear %dx%d: the %s kernel was not batch-invariant here; oneDNN is used",
+            log.warning("linear %dx%d: the %s kernel was not batch-invariant here; another is used",
                         *key[1:], key[0])
     return _packed_checked[key]
 

@@ -84,6 +84,15 @@ def resolve_model_dir(weight_path: str = "") -> Path:
     return convert_gguf(default_gguf_path())
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file ``model_dir`` was converted from (see :func:`convert_gguf`), if it still exists."""
+    marker = model_dir / ".complete"
+    if not marker.is_file():
+        return None
+    source = Path(marker.read_text().strip())
+    return source if source.suffix == ".gguf" and source.is_file() else None
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise ``gguf`` once into an fp32 HF folder in the cache; return that folder."""
     target = cache_root() / f"{gguf.stem}-{_fingerprint(gguf)}"

@@ -5,9 +5,9 @@
  * loop cost ~120 ctypes calls, their tensors and the GIL's hand-overs a step; here it is
  * one call, which releases the GIL for the whole of it.
  *
- * The Linears are the packed bfloat16 kernel the library was built with (linear_amx.c or
- * linear_avx512bf16.c), passed in as a function pointer since a build without the
- * instructions does not define them. Per-layer pointers come in arrays of `layers`; the
+ * The Linears are one of the packed kernels the library was built with (linear_amx.c or
+ * linear_avx512bf16.c on bfloat16 weights, linear_q4.c on GGUF Q4_1 blocks), passed in as
+ * a function pointer since a build without the instructions does not define them. Per-layer pointers come in arrays of `layers`; the
  * step's buffers are the caller's (see runner.py).
  */
 #include <stddef.h>

@@ -1,0 +1,201 @@
+/* A Linear that reads GGUF Q4_1 weights, for bfloat16 activations on AVX512-BF16,
+ * batch-invariant by construction. It reads 0.75 bytes a weight where the bfloat16 kernel
+ * (linear_avx512bf16.c) reads 2, which is what one row (one stream) waits on; per
+ * multiply-add it does a little more work than that kernel, so with many rows it is slower.
+ *
+ * Q4_1 keeps a weight row in blocks of 32: 4-bit codes q, float16 d and m, the weight
+ * being d * q + m. So a row's output is the sum over its blocks of d * (q . x) + m * sum(x).
+ * 128 + q is exact in bfloat16 (bits 0x4300 | q), so VDPBF16PS takes the codes after an
+ * OR, and the 128 comes back out with the m term: per block
+ *     d * ((128 + q) . x) + (m - 128 d) * sum(x).
+ *
+ * Layout (linear_q4_bf16_pack, from the GGUF's 20-byte blocks {half d, half m, 16 code
+ * bytes: element j in the low nibble of byte j, element j + 16 in the high one}): for each
+ * block of 16 outputs and each block of 32 inputs, a 384-byte record: 256 bytes of codes,
+ * then d and c = m - 128 d of the 16 outputs as floats. The codes come in 8 chunks of 32
+ * bytes; byte j of chunk t holds, for output j / 2, input 4t + j % 2 in its low nibble and
+ * input 4t + 2 + j % 2 in its high one. So one 32-byte load widened to 16-bit words gives
+ * two vectors of 16 outputs x 2 inputs, the operand layout of VDPBF16PS, after a mask or a
+ * shift and an OR each.
+ *
+ * As in the bfloat16 kernel, each output lane is its own chain: VDPBF16PS over the pairs of
+ * a block in order, then acc = d * block + acc and acc = c * sum(x of the block) + acc
+ * (FMAs), block after block; the row and output tiling only decides which lanes share a
+ * register, never the order of a sum, so a row's bits do not depend on the batch.
+ *
+ * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU);
+ * elsewhere linear_q4_bf16_init() returns 0 and the other functions are not defined.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define Q4_RECORD 384  /* bytes per 16 outputs x 32 inputs: 256 of codes, 16 d, 16 c */
+#define Q4_PANEL 3     /* 16-output blocks per panel */
+#define Q4_ROWS 4      /* rows per tile: 2 x 4 x 3 accumulators, 3 code vectors, 1 input */
+#define Q4_WORK_MIN 16384
+
+typedef uint16_t bf16;
+
+int cpu_ops_threads(void); /* cpu_ops.c */
+
+int linear_q4_bf16_init(void) { return 1; }
+
+static inline unsigned gguf_code(const uint8_t *block, int e) { /* element e of a GGUF Q4_1 block */
+    const uint8_t byte = block[4 + (e & 15)];
+    return e < 16 ? byte & 15u : byte >> 4;
+}
+
+/* GGUF Q4_1 blocks [n][k / 32] of 20 bytes -> the layout above (n * k * 3 / 4 bytes);
+ * n % 16 == 0, k % 32 == 0. */
+void linear_q4_bf16_pack(const uint8_t *gguf, uint8_t *packed, int64_t n, int64_t k) {
+    const int64_t blocks = k / 32;
+    for (int64_t nb = 0; nb < n / 16; nb++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *rec = packed + (nb * blocks + b) * Q4_RECORD;
+            float d[16], c[16];
+            for (int o = 0; o < 16; o++) {
+                const uint8_t *src = gguf + ((nb * 16 + o) * blocks + b) * 20;
+                uint16_t half[2];
+                memcpy(half, src, sizeof half);
+                d[o] = _cvtsh_ss(half[0]);
+                c[o] = _cvtsh_ss(half[1]) - 128.0f * d[o]; /* 128 d is exact */
+                for (int t = 0; t < 8; t++)
+                    for (int e = 0; e < 2; e++)
+                        rec[t * 32 + o * 2 + e] =
+                            (uint8_t)(gguf_code(src, 4 * t + e) | gguf_code(src, 4 * t + 2 + e) << 4);
+            }
+            memcpy(rec + 256, d, sizeof d);
+            memcpy(rec + 320, c, sizeof c);
+        }
+}
+
+/* The weights of GGUF Q4_1 blocks [n][k / 32] as bfloat16, computed as gguf-py dequantises
+ * them (d * q, then + m, in float32) and rounded to nearest even as torch rounds: the loader
+ * checks that they are exactly the weights the model loaded (see gguf_q4.py). */
+void linear_q4_bf16_dequantize(const uint8_t *gguf, bf16 *out, int64_t n, int64_t k) {
+    for (int64_t i = 0; i < n * (k / 32); i++) {
+        const uint8_t *src = gguf + i * 20;
+        uint16_t half[2];
+        memcpy(half, src, sizeof half);
+        const float d = _cvtsh_ss(half[0]), m = _cvtsh_ss(half[1]);
+        for (int e = 0; e < 32; e++) {
+            const float scaled = d * (float)gguf_code(src, e), w = scaled + m;
+            uint32_t u;
+            memcpy(&u, &w, sizeof u);
+            out[i * 32 + e] = (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* finite: no NaN case */
+        }
+    }
+}
+
+static inline __m512bh pair_of(const bf16 *x) {
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* sum(x) of each block of 32 of a row, in a fixed order. */
+static void block_sums(const bf16 *x, int64_t blocks, float *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512i v = _mm512_loadu_si512(x + b * 32);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+        const __m512 hi =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+        const __m512 s = _mm512_add_ps(lo, hi);
+        const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        out[b] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    }
+}
+
+/* y[r][c*16 .. +16] for rows < R and output blocks < C of one tile; R and C are constants
+ * where this is inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const bf16 *x, const float *sums, int64_t k,
+                                                       const uint8_t *w, int64_t blocks, const float *bias,
+                                                       bf16 *y, int64_t n, const int R, const int C) {
+    const __m512i low = _mm512_set1_epi16(0x0f), exponent = _mm512_set1_epi16(0x4300);
+    __m512 acc[Q4_ROWS][Q4_PANEL];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512 part[Q4_ROWS][Q4_PANEL];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) part[r][c] = _mm512_setzero_ps();
+        for (int t = 0; t < 8; t++) {
+            __m512i z[Q4_PANEL];
+            for (int c = 0; c < C; c++) {
+                z[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + (c * blocks + b) * Q4_RECORD + t * 32)));
+                const __m512bh q = (__m512bh)_mm512_ternarylogic_epi32(z[c], low, exponent, 0xEA); /* a&b | c */
+                for (int r = 0; r < R; r++) part[r][c] = _mm512_dpbf16_ps(part[r][c], pair_of(x + r * k + b * 32 + 4 * t), q);
+            }
+            for (int c = 0; c < C; c++) {
+                const __m512bh q = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(z[c], 4), exponent);
+                for (int r = 0; r < R; r++)
+                    part[r][c] = _mm512_dpbf16_ps(part[r][c], pair_of(x + r * k + b * 32 + 4 * t + 2), q);
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const float *scales = (const float *)(w + (c * blocks + b) * Q4_RECORD + 256);
+            const __m512 d = _mm512_loadu_ps(scales), cm = _mm512_loadu_ps(scales + 16);
+            for (int r = 0; r < R; r++) {
+                acc[r][c] = _mm512_fmadd_ps(d, part[r][c], acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(cm, _mm512_set1_ps(sums[r * blocks + b]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            __m512 v = acc[r][c];
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c * 16));
+            _mm256_storeu_si256((__m256i *)(y + r * n + c * 16), (__m256i)_mm512_cvtneps_pbh(v)); /* RNE */
+        }
+}
+
+#define Q4_TILE_C(R, C) \
+    case C: tile(x, sums, k, w, blocks, bias, y, n, R, C); break;
+#define Q4_TILE_R(R)                                                 \
+    case R:                                                          \
+        switch (c) { Q4_TILE_C(R, 1) Q4_TILE_C(R, 2) Q4_TILE_C(R, 3) } \
+        break;
+
+static void dispatch(const bf16 *x, const float *sums, int64_t k, const uint8_t *w, int64_t blocks,
+                     const float *bias, bf16 *y, int64_t n, int r, int c) {
+    switch (r) { Q4_TILE_R(1) Q4_TILE_R(2) Q4_TILE_R(3) Q4_TILE_R(4) }
+}
+
+/* y [m][n] = x [m][k] . w^T (+ bias, float32), w packed by linear_q4_bf16_pack. A thread
+ * takes whole panels of Q4_PANEL output blocks and runs the rows over each in tiles of up
+ * to Q4_ROWS. Declared with bf16 *packed like the other Linears, so that decoder_layers.c
+ * can call any of them. */
+void linear_q4_bf16(const bf16 *x, const bf16 *packed_weight, const float *bias, bf16 *y, int64_t m, int64_t n,
+                    int64_t k) {
+    const uint8_t *packed = (const uint8_t *)packed_weight;
+    const int64_t blocks = k / 32, outs = n / 16, panels = (outs + Q4_PANEL - 1) / Q4_PANEL;
+    float *sums = malloc(sizeof(float) * (size_t)(m * blocks));
+    if (!sums) abort(); /* no way to report it; better than writing through NULL */
+    for (int64_t r = 0; r < m; r++) block_sums(x + r * k, blocks, sums + r * blocks);
+#pragma omp parallel for schedule(static) num_threads(cpu_ops_threads()) if (m * n * k >= Q4_WORK_MIN)
+    for (int64_t pn = 0; pn < panels; pn++) {
+        const int64_t o0 = pn * Q4_PANEL;
+        const int c = (int)(outs - o0 < Q4_PANEL ? outs - o0 : Q4_PANEL);
+        const uint8_t *w = packed + o0 * blocks * Q4_RECORD;
+        const int64_t tiles = (m + Q4_ROWS - 1) / Q4_ROWS;
+        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
+            const int r = (int)((m - r0) / (tiles - t)); /* near-equal tiles */
+            dispatch(x + r0 * k, sums + r0 * blocks, k, w, blocks, bias ? bias + o0 * 16 : NULL,
+                     y + r0 * n + o0 * 16, n, r, c);
+            r0 += r;
+        }
+    }
+    free(sums);
+}
+
+#else
+
+int linear_q4_bf16_init(void) { return 0; }
+
+#endif

@@ -1,0 +1,77 @@
+"""The Q4_1 blocks of a GGUF checkpoint's decoder Linears, for ``csrc/linear_q4.c``.
+
+The engine normally runs on the float weights transformers dequantises a GGUF into
+(:mod:`.weights` caches them as an HF folder). With ``ModelConfig.cpuLinearWeights``
+``gguf`` (or ``auto``, where it applies) the runner instead keeps, for every layer's q/k/v,
+o, gate/up and down projections, the file's own Q4_1 blocks, in the order of its fused
+projections. Reading 0.75 bytes a weight instead of bfloat16's 2 is what a few streams
+wait on.
+
+Each projection's blocks are checked at load: dequantised and rounded to bfloat16 they
+must equal, bit for bit, the weight the model loaded. That proves the tensor names, the
+row order (llama.cpp permutes the rows of q and k for its rotary layout; transformers
+undoes it) and the concatenation, for any model; a projection that fails keeps its
+dense weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+Q4_1_BLOCK_BYTES = 20  # per 32 weights: float16 d, float16 m, 16 bytes of 4-bit codes
+_GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate",
+               "up": "ffn_up", "down": "ffn_down"}
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the runner's fused projections
+
+
+def read_projections(path: Path, layers: int, num_heads: int, num_kv_heads: int, required: bool = True
+                     ) -> list[dict[str, np.ndarray]] | None:
+    """Per layer, ``{"qkv", "o", "gate_up", "down"}``: ``uint8 [N, K / 32 * 20]`` blocks, rows in
+    the order the runner's projections have them; None unless every one of those tensors is
+    Q4_1 (a warning when ``required``)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    out = []
+    for i in range(layers):
+        raw = {}
+        for key, name in _GGUF_NAMES.items():
+            t = tensors.get(f"blk.{i}.{name}.weight")
+            if t is None or t.tensor_type != GGMLQuantizationType.Q4_1:
+                kind = "missing" if t is None else t.tensor_type.name
+                (log.warning if required else log.info)(
+                    "cpuLinearWeights: blk.%d.%s.weight in %s is %s, not Q4_1; dense weights are used", i, name,
+                    path.name, kind)
+                return None
+            raw[key] = np.asarray(t.data)
+        out.append({
+            "qkv": np.concatenate([_unpermute(raw["q"], num_heads), _unpermute(raw["k"], num_kv_heads), raw["v"]]),
+            "o": np.array(raw["o"]),
+            "gate_up": np.concatenate([raw["gate"], raw["up"]]),
+            "down": np.array(raw["down"]),
+        })
+    return out
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row order of q or k (as transformers' GGUF loader does): within
+    each head, rows (2j, 2j + 1) go back to (j, j + half)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, -1).swapaxes(2, 1).reshape(rows.shape)
+
+
+def decodes_to(blocks: np.ndarray, weight: torch.Tensor, ops) -> bool:
+    """Do ``blocks`` dequantise (float32 ``d * q + m``, as gguf-py does) and round to exactly the
+    bfloat16 ``weight``? ``ops``: :class:`~llm_engine.cpu_ops.CpuOps` with the Q4_1 kernels."""
+    n, k = weight.shape
+    if (weight.dtype != torch.bfloat16 or not ops.q4_fits(n, k)
+            or blocks.shape != (n, k // 32 * Q4_1_BLOCK_BYTES)):
+        return False
+    dense = ops.q4_dequantize(torch.from_numpy(blocks), n, k)
+    return torch.equal(dense.view(torch.int16), weight.detach().cpu().view(torch.int16))
