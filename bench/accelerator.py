@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = device_limits(device, 1024 if args.quick else 8192)
     log.info("%s: %s", name, limits)
 
-    with engine_alone(args.config, dtype) as send:
-        results = asyncio.run(drive({ENGINE: send}, workload, dtype))
+    with engine_alone(args.config, dtype) as alone:
+        results = asyncio.run(drive({ENGINE: alone.send}, workload, dtype))
     gc.collect()
     model, tok = load_hf(dtype, device=str(device))
     results += [run_naive(workload, model, tok), run_static(workload, model, tok)]

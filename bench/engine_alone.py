@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from bench.load import SendRequest
 from bench.stats import StreamTrace
@@ -55,9 +56,15 @@ async def engine_request(engine, prompt: str, max_tokens: int) -> StreamTrace:
             return trace
 
 
+class EngineAlone(NamedTuple):
+    send: SendRequest
+    weight_bytes_per_token: int  # what one decode step reads of the weights (the memory-bound limit)
+
+
 @contextlib.contextmanager
-def engine_alone(config_path: Path | None, dtype: str = "") -> Iterator[SendRequest]:
-    """Build the engine from the same settings file as the stack; yield its ``send``.
+def engine_alone(config_path: Path | None, dtype: str = "") -> Iterator[EngineAlone]:
+    """Build the engine from the same settings file as the stack; yield its ``send`` and the
+    bytes of weights a token reads in the weight format it loaded.
 
     ``dtype`` (the one the stack's engine chose) overrides the file's: ``auto`` is decided
     per process by a short timing, and the overhead comparison needs the same dtype. The
@@ -82,7 +89,7 @@ def engine_alone(config_path: Path | None, dtype: str = "") -> Iterator[SendRequ
         return await engine_request(engine, prompt, max_tokens)
 
     try:
-        yield send
+        yield EngineAlone(send, engine.runner.weight_bytes_per_token())
     finally:
         engine.stop()
         torch.set_num_threads(threads)

@@ -72,8 +72,11 @@ def weight_bytes_for(dtype: str, fp32_bytes: int) -> int:
     return fp32_bytes // 2 if dtype in ("bfloat16", "float16") else fp32_bytes
 
 
-def compare(results: list[RunResult], machine: MachineInfo, fp32_weight_bytes: int) -> list[Check]:
-    """Every target of the spec that this run can judge."""
+def compare(results: list[RunResult], machine: MachineInfo, fp32_weight_bytes: int,
+            weight_bytes: int | None = None) -> list[Check]:
+    """Every target of the spec that this run can judge. ``weight_bytes``: what one token reads
+    of the weights in the format the engine loaded (GGUF Q4_1 blocks read fewer than the
+    dtype's size); by default the fp32 checkpoint's size scaled to the stack's dtype."""
     stack = [r for r in results if r.system == STACK and not r.skipped]
     if not stack:
         return []
@@ -99,7 +102,7 @@ def compare(results: list[RunResult], machine: MachineInfo, fp32_weight_bytes: i
     checks.append(_at_least(f"stack@{top} % of {dtype or '?'} matmul roofline",
                             100 * ratio(flops, machine.roofline(dtype)), 50, "%",
                             f"{flops:.1f} of {machine.roofline(dtype):.0f} GFLOP/s"))
-    wbytes = weight_bytes_for(s_one.dtype if s_one else dtype, fp32_weight_bytes)
+    wbytes = weight_bytes or weight_bytes_for(s_one.dtype if s_one else dtype, fp32_weight_bytes)
     limit = machine.mem_read_gbs * 1e9 / wbytes if wbytes else math.nan
     checks.append(_at_least("stack@1 % of memory-bound limit", 100 * ratio(_tps(s_one), limit), 70, "%",
                             f"limit {limit:.0f} tok/s = {machine.mem_read_gbs:.1f} GB/s / {wbytes / 1e6:.0f} MB"))

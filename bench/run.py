@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         stack_threads = stack.engine_threads()
         log.info("the stack's engine runs %s (%s)", stack_dtype or "an unknown dtype (no 'engine ready' log line)",
                  dtype_auto or "dtype set in the settings")
-        with engine_alone(args.config, stack_dtype) as engine_send, clients_on(stack.rest_cpus()):
+        with engine_alone(args.config, stack_dtype) as alone, clients_on(stack.rest_cpus()):
+            weight_bytes = alone.weight_bytes_per_token
             meter = CpuMeter(lambda: [stack.proc.pid, *descendants(stack.proc.pid)])
-            results += asyncio.run(drive_stack_and_engine(stack.base_url, stack.model_name, engine_send, workload,
+            results += asyncio.run(drive_stack_and_engine(stack.base_url, stack.model_name, alone.send, workload,
                                                           stack_dtype, meter))
     gc.collect()
     peer_results, fp32_bytes = run_peers(workload)
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     machine_start, machine_end = machine, in_a_passing_thread(measure, workload.quick)  # again, after the systems ran
     machine = machine_start.best_of(machine_end)
-    checks = compare(results, machine, fp32_bytes)
+    checks = compare(results, machine, fp32_bytes, weight_bytes)
     write_csv(out / "results.csv", results)
     write_checks_csv(out / "checks.csv", checks)
     title = f"{started:%Y-%m-%d} {machine.cpu_model}, {machine.cores} cores" + (" (quick)" if args.quick else "")
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                "loadavg_1m_start": load_start[0], "loadavg_1m_end": load_end[0],
                "stack_dtype": stack_dtype, "stack_dtype_auto": dtype_auto, "stack_torch_threads": stack_threads,
                "machine": machine.as_dict(), "machine_probes": [machine_start.as_dict(), machine_end.as_dict()],
-               "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes,
+               "workload": asdict(workload), "fp32_weight_bytes": fp32_bytes, "weight_bytes_per_token": weight_bytes,
                "results": [r.summary() for r in results],
                "stack_cpu": {str(c): groups for c, groups in stack_cpu.items()},
                "checks": [{"name": c.name, "value": c.value, "target": c.target, "status": c.status,

@@ -83,6 +83,10 @@ def test_compare_computes_ratios_and_verdicts() -> None:
     assert roof.value == pytest.approx(100 * 500 * 0.27 / 100.0) and roof.ok
     mem = checks["stack@1 % of memory-bound limit"]
     assert mem.value == pytest.approx(100 * 40 / (27e9 / FP32_BYTES)) and mem.ok
+    # the engine's own weight format, when given (GGUF Q4_1 blocks read fewer bytes than the dtype)
+    q4 = {c.name: c for c in compare(fake_results(), MACHINE, FP32_BYTES, weight_bytes=135_000_000)}
+    assert q4["stack@1 % of memory-bound limit"].value == pytest.approx(100 * 40 / (27e9 / 135e6))
+    assert "135 MB" in q4["stack@1 % of memory-bound limit"].note
     assert checks["stack overhead, throughput @32"].value == pytest.approx(100 * (1 - 500 / 510))
     assert checks["stack overhead, p50 TTFT @1"].value == pytest.approx(1.0)
     ttft = checks["stack p50 TTFT @8 / @1"]

@@ -16,6 +16,7 @@ from llm_engine.linear import PackedQ4Linear
 from llm_engine.weights import default_gguf_path, gguf_source
 
 from tests.unit.engine_harness import Run, build
+from tests.unit.test_linear_bf16 import assert_rows_invariant
 
 
 def _q4_ops():
@@ -68,19 +69,7 @@ def test_the_q4_linear_matches_the_dequantized_weight_with_and_without_bias(n, k
 def test_a_q4_row_has_the_same_bits_alone_anywhere_in_a_batch_and_on_any_thread_count():
     ops = _q4_ops()
     lin = PackedQ4Linear(torch.from_numpy(_blocks(3072, 576, seed=1)), 3072, 576, None, ops)
-    x = torch.randn(70, 576).bfloat16()
-    try:
-        ops.set_threads(2)
-        full = lin(x)
-        for rows in (slice(0, 1), slice(5, 6), slice(15, 17), slice(3, 40), slice(16, 32), slice(33, 70),
-                     slice(69, 70), slice(0, 9), slice(2, 22)):
-            assert torch.equal(lin(x[rows]), full[rows]), rows
-        assert all(torch.equal(lin(x[i : i + 1]), full[i : i + 1]) for i in range(70))
-        for threads in (1, 3):
-            ops.set_threads(threads)
-            assert torch.equal(lin(x), full)
-    finally:
-        ops.set_threads(1)
+    assert_rows_invariant(lin, torch.randn(70, 576).bfloat16(), ops)
 
 
 def test_q4_packing_rejects_blocks_of_another_shape_and_shapes_that_do_not_fit():
@@ -168,6 +157,8 @@ def test_the_engine_runs_every_decoder_linear_on_the_gguf_blocks(q4_engine):
     assert runner.fused_layers is not None  # decode steps still run every layer in one C call
     assert not isinstance(runner.lm_head, PackedQ4Linear)  # the tied head stays dense
     assert sum(lin.packed.numel() for lin in projections) == 106_168_320 * 3 // 4
+    # what the bench's memory-bound limit divides by: the blocks, and the bf16 lm_head
+    assert runner.weight_bytes_per_token() == 106_168_320 * 3 // 4 + 49152 * 576 * 2
 
 
 def test_the_q4_engine_answers_like_the_dense_one(q4_engine):
@@ -175,6 +166,7 @@ def test_the_q4_engine_answers_like_the_dense_one(q4_engine):
     prompts agree for their first tokens."""
     dense = build(dtype="bfloat16", linear_weights="dense", kvCacheMemoryMiB=64)
     try:
+        assert dense.runner.weight_bytes_per_token() == (106_168_320 + 49152 * 576) * 2
         prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "Monday, Tuesday, Wednesday,"]
         req = dict(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
         for prompt in prompts:

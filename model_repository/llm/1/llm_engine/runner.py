@@ -224,11 +224,27 @@ class ModelRunner:
             log.info("bfloat16 matmuls on the fused %s kernel: %d of %d (the lm_head's weight stays beside its "
                      "packed copy: %.0f MiB more)", self.ops.bf16_kernel, packed, len(linears), extra)
         if q4s := [lin for lin in linears if isinstance(lin, PackedQ4Linear)]:
-            log.info("decoder Linears on GGUF Q4_1 blocks (cpuLinearWeights gguf): %d of %d, %.0f MiB", len(q4s),
+            log.info("decoder Linears on GGUF Q4_1 blocks (cpuLinearWeights): %d of %d, %.0f MiB", len(q4s),
                      len(linears), sum(lin.packed.numel() for lin in q4s) / 2**20)
         self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
         self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = self._norm(self.inner.norm)
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights a one-token step reads: every projection and the lm_head in the form
+        its kernel reads (GGUF Q4_1 blocks: 0.75 bytes a weight; else the dtype's size), for the
+        bench's memory-bound limit. Norms and the one embedding row are left out."""
+        hidden, d, inter = self.inner.embed_tokens.weight.shape[1], self.head_dim, self.intermediate
+        shapes = [((self.num_heads + 2 * self.num_kv_heads) * d, hidden), (hidden, self.num_heads * d),
+                  (2 * inter, hidden), (hidden, inter)]
+        size = torch.empty(0, dtype=self.dtype).element_size()
+
+        def nbytes(lin, n: int, k: int) -> int:
+            return lin.packed.numel() if isinstance(lin, PackedQ4Linear) else n * k * size
+
+        total = sum(nbytes(lin, *shape) for projections in zip(self.qkv, self.o_proj, self.gate_up, self.down)
+                    for lin, shape in zip(projections, shapes))
+        return total + nbytes(self.lm_head, self.vocab_size, hidden)
 
     def _load_fused_kernels(self) -> cpu_ops.CpuOps | None:
         """The fused CPU kernels (:mod:`cpu_ops`) where this model and device can use them."""
