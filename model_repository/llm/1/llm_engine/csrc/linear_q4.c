@@ -179,6 +179,7 @@ static void dispatch(const bf16 *x, const float *sums, int64_t k, const uint8_t 
  * can call any of them. */
 void linear_q4_bf16(const bf16 *x, const bf16 *packed_weight, const float *bias, bf16 *y, int64_t m, int64_t n,
                     int64_t k) {
+    if (m <= 0) return;
     const uint8_t *packed = (const uint8_t *)packed_weight;
     const int64_t panel = m == 1 ? Q4_PANEL_ONE : Q4_PANEL;
     const int64_t blocks = k / 32, outs = n / 16, panels = (outs + panel - 1) / panel;
