@@ -183,7 +183,7 @@ def test_the_q4_engine_answers_like_the_dense_one(q4_engine):
 def test_gguf_linear_weights_fall_back_to_dense_where_they_cannot_be_used(caplog, setting):
     """float32 has no Q4_1 kernel: the engine loads dense weights, and says why when gguf was
     asked for (auto just takes dense)."""
-    with caplog.at_level(logging.DEBUG, logger="llm_engine.runner"):
+    with caplog.at_level(logging.DEBUG, logger="llm_engine.projections"):
         eng = build(dtype="float32", linear_weights=setting, kvCacheMemoryMiB=64)
     try:
         assert not any(isinstance(lin, PackedQ4Linear) for lin in eng.runner.qkv)

@@ -21,16 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ops, gguf_q4
+from . import cpu_ops
 from .fused_layers import FusedLayers
-from .linear import (
-    Linear,
-    PackedBf16Linear,
-    PackedQ4Linear,
-    choose_fp32_kernels,
-    make_linear,
-    packed_invariant,
-)
+from .projections import build_projections
 
 log = logging.getLogger(__name__)
 # RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * weight, which F.rms_norm fuses.
@@ -149,83 +142,23 @@ class ModelRunner:
         self.matmul_attention = device.type == "cpu" and dtype != torch.float32
         self._attend = matmul_attention if self.matmul_attention else sdpa_attention
         self.ops = self._load_fused_kernels() if fused_kernels else None
-        self._fuse_projections(self._gguf_q4_blocks(gguf_q4_source, gguf_q4_required))
+        self._fuse_projections(gguf_q4_source, gguf_q4_required)
         self.fused_layers = FusedLayers.for_runner(self)  # every layer in one C call, where it can
         if self.fused_layers is not None:
             log.info("decoder layers in one fused call per step (steps without long prompt chunks)")
 
-    def _gguf_q4_blocks(self, source: Path | None, required: bool) -> list[dict] | None:
-        """The Q4_1 blocks of ``source``'s decoder Linears, where this runner can use them."""
-        if source is None:
-            return None
-        if self.ops is None or self.dtype != torch.bfloat16 or not self.ops.has_linear_q4:
-            (log.warning if required else log.debug)(
-                "cpuLinearWeights gguf needs the fused CPU kernels in bfloat16 on a CPU with AVX512-BF16 (here: "
-                "device %s, dtype %s, the Q4_1 kernel %s); dense weights are used", self.device.type,
-                str(self.dtype).removeprefix("torch."),
-                "built" if self.ops is not None and self.ops.has_linear_q4 else "not built")
-            return None
-        if not required and self.ops.bf16_kernel == "amx":
-            log.info("cpuLinearWeights auto: dense weights on this AMX CPU (the Q4_1 kernel was measured against "
-                     "the AVX512-BF16 kernel only; gguf uses it)")
-            return None
-        return gguf_q4.read_projections(source, len(self.layers), self.num_heads, self.num_kv_heads, required)
-
-    def _projection(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks) -> Linear:
-        """A Linear over ``weight``: on its GGUF Q4_1 ``blocks`` where given, the kernel fits the
-        shape and they decode to exactly ``weight``; else :func:`make_linear`."""
-        if blocks is not None and self.ops.q4_fits(*weight.shape):
-            if gguf_q4.decodes_to(blocks, weight, self.ops):
-                q4 = PackedQ4Linear(torch.from_numpy(blocks), *weight.shape, bias, self.ops)
-                if packed_invariant(q4, tuple(weight.shape)):
-                    return q4
-            else:
-                log.warning("cpuLinearWeights: a %dx%d projection's Q4_1 blocks do not decode to the loaded "
-                            "weight; it keeps the dense weight", *weight.shape)
-        return make_linear(weight, bias, self.ops)
-
-    def _fuse_projections(self, q4: list[dict] | None = None) -> None:
-        """One matmul for q/k/v and one for gate/up per layer instead of five small ones.
-
-        At small batch each matmul call costs more in overhead than in arithmetic, so
-        fusing them is most of the single-stream speed. Every projection becomes a
-        :func:`make_linear` (prepacked where the device gains from it) and the original
-        modules are dropped, so the weights are held once; the tied embedding stays.
-        ``q4``: per layer, the GGUF Q4_1 blocks of each fused projection (:mod:`.gguf_q4`).
-        """
-        self.qkv: list[Linear] = []
-        self.o_proj: list[Linear] = []
-        self.gate_up: list[Linear] = []
-        self.down: list[Linear] = []
-        self.act = []
-        for i, layer in enumerate(self.layers):
-            a, m = layer.self_attn, layer.mlp
-            blocks = q4[i] if q4 else dict.fromkeys(gguf_q4.PROJECTIONS)
-            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            b = None
-            if a.q_proj.bias is not None:
-                b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            self.qkv.append(self._projection(w, b, blocks["qkv"]))
-            self.o_proj.append(self._projection(a.o_proj.weight, a.o_proj.bias, blocks["o"]))
-            self.gate_up.append(self._projection(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None,
-                                                 blocks["gate_up"]))
-            self.down.append(self._projection(m.down_proj.weight, m.down_proj.bias, blocks["down"]))
-            self.act.append(m.act_fn)
-            self.intermediate = m.gate_proj.weight.shape[0]
-            del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
-        head = self.model.lm_head
-        self.lm_head = make_linear(head.weight, head.bias, self.ops)
+    def _fuse_projections(self, q4_source: Path | None, q4_required: bool) -> None:
+        """The layers' projections and the lm_head as :mod:`.projections` builds them (q/k/v and
+        gate/up fused), and the norms the forward uses."""
+        built = build_projections(self.model, self.ops, self.dtype, self.device, self.num_heads, self.num_kv_heads,
+                                  q4_source, q4_required)
+        self.qkv, self.o_proj, self.gate_up, self.down = built.qkv, built.o_proj, built.gate_up, built.down
+        self.lm_head = built.lm_head
+        self._weight_bytes_per_token = built.weight_bytes_per_token
+        self.act = [layer.mlp.act_fn for layer in self.layers]
+        self.intermediate = built.intermediate
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        linears = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
-        choose_fp32_kernels(linears, self.ops)
-        if packed := sum(isinstance(lin, PackedBf16Linear) for lin in linears):
-            extra = head.weight.numel() * 2 / 2**20 if isinstance(self.lm_head, PackedBf16Linear) else 0.0
-            log.info("bfloat16 matmuls on the fused %s kernel: %d of %d (the lm_head's weight stays beside its "
-                     "packed copy: %.0f MiB more)", self.ops.bf16_kernel, packed, len(linears), extra)
-        if q4s := [lin for lin in linears if isinstance(lin, PackedQ4Linear)]:
-            log.info("decoder Linears on GGUF Q4_1 blocks (cpuLinearWeights): %d of %d, %.0f MiB", len(q4s),
-                     len(linears), sum(lin.packed.numel() for lin in q4s) / 2**20)
         self.input_norm = [self._norm(layer.input_layernorm) for layer in self.layers]
         self.post_norm = [self._norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = self._norm(self.inner.norm)
@@ -234,17 +167,7 @@ class ModelRunner:
         """Bytes of weights a one-token step reads: every projection and the lm_head in the form
         its kernel reads (GGUF Q4_1 blocks: 0.75 bytes a weight; else the dtype's size), for the
         bench's memory-bound limit. Norms and the one embedding row are left out."""
-        hidden, d, inter = self.inner.embed_tokens.weight.shape[1], self.head_dim, self.intermediate
-        shapes = [((self.num_heads + 2 * self.num_kv_heads) * d, hidden), (hidden, self.num_heads * d),
-                  (2 * inter, hidden), (hidden, inter)]
-        size = torch.empty(0, dtype=self.dtype).element_size()
-
-        def nbytes(lin, n: int, k: int) -> int:
-            return lin.packed.numel() if isinstance(lin, PackedQ4Linear) else n * k * size
-
-        total = sum(nbytes(lin, *shape) for projections in zip(self.qkv, self.o_proj, self.gate_up, self.down)
-                    for lin, shape in zip(projections, shapes))
-        return total + nbytes(self.lm_head, self.vocab_size, hidden)
+        return self._weight_bytes_per_token
 
     def _load_fused_kernels(self) -> cpu_ops.CpuOps | None:
         """The fused CPU kernels (:mod:`cpu_ops`) where this model and device can use them."""

@@ -1,0 +1,112 @@
+"""The runner's Linears: one matmul for q/k/v and one for gate/up per layer, each projection
+on the best kernel its weight fits.
+
+At small batch each matmul call costs more in overhead than in arithmetic, so fusing them
+is most of the single-stream speed. Every projection becomes a :func:`~.linear.make_linear`
+(prepacked where the device gains from it), or, where the model came from a GGUF whose
+layer Linears are Q4_1 and the runner can use them, a :class:`~.linear.PackedQ4Linear` on
+the file's own blocks (``ModelConfig.cpuLinearWeights``; :mod:`.gguf_q4`). The original
+modules are dropped, so the weights are held once; the tied embedding stays.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import gguf_q4
+from .linear import (
+    Linear,
+    PackedBf16Linear,
+    PackedQ4Linear,
+    choose_fp32_kernels,
+    make_linear,
+    packed_invariant,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Projections:
+    qkv: list[Linear]
+    o_proj: list[Linear]
+    gate_up: list[Linear]
+    down: list[Linear]
+    lm_head: Linear
+    intermediate: int  # the MLP's width (gate and up are twice that together)
+    weight_bytes_per_token: int  # every projection and the lm_head in the form its kernel reads
+
+
+def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
+                      q4_source: Path | None = None, q4_required: bool = False) -> Projections:
+    """The fused projections of ``model``'s decoder layers and its lm_head; deletes the layers'
+    projection modules. ``q4_source``: the GGUF the model was converted from, whose Q4_1 blocks
+    are used where ``ops`` can; ``q4_required``: warn where they can't (``gguf``, not ``auto``)."""
+    layers = list(model.model.layers)
+    q4 = _q4_blocks(q4_source, q4_required, ops, dtype, device, len(layers), num_heads, num_kv_heads)
+    size = torch.empty(0, dtype=dtype).element_size()
+    weight_bytes = 0
+
+    def projection(weight: torch.Tensor, bias: torch.Tensor | None, blocks) -> Linear:
+        """On ``blocks`` where given, the kernel fits the shape and they decode to exactly
+        ``weight``; else :func:`make_linear`."""
+        nonlocal weight_bytes
+        if blocks is not None and ops.q4_fits(*weight.shape):
+            if gguf_q4.decodes_to(blocks, weight, ops):
+                linear = PackedQ4Linear(torch.from_numpy(blocks), *weight.shape, bias, ops)
+                if packed_invariant(linear, tuple(weight.shape)):
+                    weight_bytes += linear.packed.numel()
+                    return linear
+            else:
+                log.warning("cpuLinearWeights: a %dx%d projection's Q4_1 blocks do not decode to the loaded "
+                            "weight; it keeps the dense weight", *weight.shape)
+        weight_bytes += weight.numel() * size
+        return make_linear(weight, bias, ops)
+
+    qkv, o_proj, gate_up, down = [], [], [], []
+    intermediate = layers[0].mlp.gate_proj.weight.shape[0]
+    for i, layer in enumerate(layers):
+        a, m = layer.self_attn, layer.mlp
+        blocks = q4[i] if q4 else dict.fromkeys(gguf_q4.PROJECTIONS)
+        b = None
+        if a.q_proj.bias is not None:
+            b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        qkv.append(projection(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), b, blocks["qkv"]))
+        o_proj.append(projection(a.o_proj.weight, a.o_proj.bias, blocks["o"]))
+        gate_up.append(projection(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, blocks["gate_up"]))
+        down.append(projection(m.down_proj.weight, m.down_proj.bias, blocks["down"]))
+        del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+    head = model.lm_head
+    lm_head = projection(head.weight, head.bias, None)
+    linears = [*qkv, *o_proj, *gate_up, *down, lm_head]
+    choose_fp32_kernels(linears, ops)
+    if packed := sum(isinstance(lin, PackedBf16Linear) for lin in linears):
+        extra = head.weight.numel() * 2 / 2**20 if isinstance(lm_head, PackedBf16Linear) else 0.0
+        log.info("bfloat16 matmuls on the fused %s kernel: %d of %d (the lm_head's weight stays beside its "
+                 "packed copy: %.0f MiB more)", ops.bf16_kernel, packed, len(linears), extra)
+    if q4s := [lin for lin in linears if isinstance(lin, PackedQ4Linear)]:
+        log.info("decoder Linears on GGUF Q4_1 blocks (cpuLinearWeights): %d of %d, %.0f MiB", len(q4s),
+                 len(linears), sum(lin.packed.numel() for lin in q4s) / 2**20)
+    return Projections(qkv, o_proj, gate_up, down, lm_head, intermediate, weight_bytes)
+
+
+def _q4_blocks(source: Path | None, required: bool, ops, dtype: torch.dtype, device: torch.device, layers: int,
+               num_heads: int, num_kv_heads: int) -> list[dict] | None:
+    """The Q4_1 blocks of ``source``'s decoder Linears, where these kernels can use them."""
+    if source is None:
+        return None
+    if ops is None or dtype != torch.bfloat16 or not ops.has_linear_q4:
+        (log.warning if required else log.debug)(
+            "cpuLinearWeights gguf needs the fused CPU kernels in bfloat16 on a CPU with AVX512-BF16 (here: "
+            "device %s, dtype %s, the Q4_1 kernel %s); dense weights are used", device.type,
+            str(dtype).removeprefix("torch."), "built" if ops is not None and ops.has_linear_q4 else "not built")
+        return None
+    if not required and ops.bf16_kernel == "amx":
+        log.info("cpuLinearWeights auto: dense weights on this AMX CPU (the Q4_1 kernel was measured against "
+                 "the AVX512-BF16 kernel only; gguf uses it)")
+        return None
+    return gguf_q4.read_projections(source, layers, num_heads, num_kv_heads, required)
