@@ -122,7 +122,7 @@ def test_the_default_gguf_blocks_decode_to_the_weights_the_model_loads():
     from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir("")
-    assert gguf_source(model_dir) == default_gguf_path()
+    assert gguf_source("") == default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     cfg, layer = model.config, model.model.layers[0]
     blocks = gguf_q4.read_projections(default_gguf_path(), 1, cfg.num_attention_heads, cfg.num_key_value_heads)[0]
@@ -137,10 +137,16 @@ def test_the_default_gguf_blocks_decode_to_the_weights_the_model_loads():
     assert not gguf_q4.decodes_to(blocks["o"], a.o_proj.weight.float(), ops)  # not bf16
 
 
-def test_a_checkpoint_folder_has_no_gguf_source(tmp_path):
-    assert gguf_source(tmp_path) is None
-    (tmp_path / ".complete").write_text(str(tmp_path / "gone.gguf"))
-    assert gguf_source(tmp_path) is None
+def test_the_gguf_source_follows_the_setting_not_the_cache_marker(tmp_path):
+    """A checkpoint folder has no GGUF source; a GGUF path is its own source. The cache's
+    marker may name another install's file (CI's cache once held a path from elsewhere)."""
+    assert gguf_source(str(tmp_path)) is None
+    gguf = tmp_path / "m.gguf"
+    assert gguf_source(str(gguf)) is None  # not there
+    gguf.write_bytes(b"GGUF")
+    assert gguf_source(str(gguf)) == gguf
+    (tmp_path / ".complete").write_text(str(tmp_path / "elsewhere.gguf"))
+    assert gguf_source(str(tmp_path)) is None
 
 
 @pytest.fixture(scope="module")

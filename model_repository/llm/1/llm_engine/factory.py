@@ -64,10 +64,9 @@ def _build_engine(settings: Settings, device_id: int, metrics, instances: int) -
     per_token = ModelRunner.kv_bytes_per_token(config, dtype)
     num_blocks = sched.kvCacheBlocks or max(1, sched.kvCacheMemoryMiB * 2**20 // (per_token * block_size))
     max_pos = min(deploy.maxSeqLen, info["max_position_embeddings"] or deploy.maxSeqLen) + 1
-    q4_source = gguf_source(model_dir) if mc.cpuLinearWeights != "dense" else None
+    q4_source = gguf_source(mc.modelWeightPath) if mc.cpuLinearWeights != "dense" else None
     if q4_source is None and mc.cpuLinearWeights == "gguf":
-        log.warning("cpuLinearWeights gguf: %s was not converted from a GGUF file here; dense weights are used",
-                    model_dir)
+        log.warning("cpuLinearWeights gguf: %s is not a GGUF file; dense weights are used", mc.modelWeightPath)
     runner = ModelRunner(model, device, dtype, num_blocks, block_size, max_pos,
                          fused_kernels=mc.cpuKernels == "auto", gguf_q4_source=q4_source,
                          gguf_q4_required=mc.cpuLinearWeights == "gguf")

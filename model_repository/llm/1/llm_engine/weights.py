@@ -84,13 +84,20 @@ def resolve_model_dir(weight_path: str = "") -> Path:
     return convert_gguf(default_gguf_path())
 
 
-def gguf_source(model_dir: Path) -> Path | None:
-    """The GGUF file ``model_dir`` was converted from (see :func:`convert_gguf`), if it still exists."""
-    marker = model_dir / ".complete"
-    if not marker.is_file():
-        return None
-    source = Path(marker.read_text().strip())
-    return source if source.suffix == ".gguf" and source.is_file() else None
+def gguf_source(weight_path: str = "") -> Path | None:
+    """The GGUF file that ``weight_path`` loads from (empty: the embedded default), or None.
+
+    It is derived from the setting, not from the cache: a converted folder is shared by
+    every install whose GGUF has the same fingerprint, so the path that first filled it may
+    belong to another, since deleted, environment.
+    """
+    if not weight_path:
+        try:
+            return default_gguf_path()
+        except FileNotFoundError:
+            return None
+    p = Path(weight_path).expanduser()
+    return p if p.suffix == ".gguf" and p.is_file() else None
 
 
 def convert_gguf(gguf: Path) -> Path:
