@@ -59,11 +59,27 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(f"{DEFAULT_GGUF_FILE} not found in {list(spec.submodule_search_locations)}")
 
 
-def _fingerprint(path: Path) -> str:
-    st = path.stat()
-    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
+FINGERPRINT_HEAD = 1 << 20  # the header and metadata (a tokenizer's vocabulary alone can fill it)
+FINGERPRINT_SAMPLES = 64  # 64 KiB pieces spread over the rest: the tensors
+FINGERPRINT_SAMPLE_BYTES = 1 << 16
+
+
+def fingerprint(path: Path) -> str:
+    """A key for ``path``'s content that costs a few MiB of reading, not the whole file.
+
+    The first MiB of two fine-tunes of one base can be identical (same architecture,
+    quantisation and tokenizer, so the same size too), so the tensors are sampled as well:
+    pieces at evenly spaced offsets up to the end.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{path.name}:{size}".encode())
     with path.open("rb") as fh:
-        h.update(fh.read(1 << 20))
+        h.update(fh.read(FINGERPRINT_HEAD))
+        if size > FINGERPRINT_HEAD:
+            span = size - FINGERPRINT_HEAD - FINGERPRINT_SAMPLE_BYTES
+            for i in range(FINGERPRINT_SAMPLES):
+                fh.seek(FINGERPRINT_HEAD + max(0, span) * (i + 1) // FINGERPRINT_SAMPLES)
+                h.update(fh.read(FINGERPRINT_SAMPLE_BYTES))
     return h.hexdigest()[:16]
 
 
@@ -102,7 +118,7 @@ def gguf_source(weight_path: str = "") -> Path | None:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise ``gguf`` once into an fp32 HF folder in the cache; return that folder."""
-    target = cache_root() / f"{gguf.stem}-{_fingerprint(gguf)}"
+    target = cache_root() / f"{gguf.stem}-{fingerprint(gguf)}"
     if _converted(target):
         return target
     with cache_lock(target.name):

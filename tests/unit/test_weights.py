@@ -1,0 +1,73 @@
+"""Finding weights: the GGUF cache key, what a modelWeightPath may name, and its errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from llm_engine import weights
+from llm_engine.weights import FINGERPRINT_HEAD, fingerprint, resolve_model_dir
+
+
+def _gguf(path, size=8 << 20, seed=0):
+    """A file shaped like two fine-tunes of one base: the same first MiB (header, metadata,
+    tokenizer) and the same size; the tensors differ where ``seed`` says."""
+    head = bytes(range(256)) * (FINGERPRINT_HEAD // 256)
+    body = bytearray(size - len(head))
+    if seed:
+        body[seed::997] = bytes([seed % 251 + 1]) * len(body[seed::997])
+    path.write_bytes(head + bytes(body))
+    return path
+
+
+def test_the_cache_key_tells_apart_fine_tunes_that_share_name_size_and_header(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    base = _gguf(tmp_path / "a" / "model.gguf")
+    tune = _gguf(tmp_path / "b" / "model.gguf", seed=7)
+    assert base.stat().st_size == tune.stat().st_size
+    assert base.read_bytes()[:FINGERPRINT_HEAD] == tune.read_bytes()[:FINGERPRINT_HEAD]
+    assert fingerprint(base) != fingerprint(tune)
+
+
+def test_the_cache_key_sees_a_change_in_the_last_bytes(tmp_path):
+    one = _gguf(tmp_path / "one.gguf")
+    (tmp_path / "x").mkdir()
+    two = tmp_path / "x" / "one.gguf"
+    data = bytearray(one.read_bytes())
+    data[-1] ^= 1
+    two.write_bytes(bytes(data))
+    assert fingerprint(one) != fingerprint(two)
+
+
+def test_the_cache_key_is_the_content_not_the_place(tmp_path):
+    """Copies in two installs share one converted folder."""
+    one = _gguf(tmp_path / "one.gguf", seed=3)
+    (tmp_path / "elsewhere").mkdir()
+    two = tmp_path / "elsewhere" / "one.gguf"
+    shutil.copy(one, two)
+    os.utime(two, (1, 1))
+    assert fingerprint(one) == fingerprint(two)
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"GGUF" + bytes(100))  # smaller than the header read: no samples, no error
+    assert fingerprint(small) != fingerprint(one)
+
+
+def test_the_default_gguf_has_a_stable_key():
+    path = weights.default_gguf_path()
+    assert fingerprint(path) == fingerprint(path)
+    assert len(fingerprint(path)) == 16
+
+
+def test_a_weight_path_names_a_checkpoint_folder_or_a_gguf_file(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_dir(str(tmp_path)) == tmp_path
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a .gguf file"):
+        resolve_model_dir(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        resolve_model_dir(str(tmp_path / "empty"))
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a .gguf file"):
+        resolve_model_dir(str(tmp_path / "w.safetensors"))
