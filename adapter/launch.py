@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -161,7 +162,9 @@ class Supervisor:
 
     def start_triton(self, timeout: float = 600) -> None:
         self._check_ports()
-        self.shm_prefix = f"mindie_triton_{os.getpid()}_{self.restarts}_"
+        # unique per launch: several launchers in one process (the tests) must not remove each
+        # other's regions when one stops
+        self.shm_prefix = f"mindie_triton_{os.getpid()}_{self.restarts}_{secrets.token_hex(3)}_"
         key = new_admin_key()
         cmd = triton_command(self.paths, self.settings, self.model_repository, admin_key=key,
                              shm_prefix=self.shm_prefix)
