@@ -11,8 +11,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-from llm_engine import cpu_ops, gguf_q4
-from llm_engine.linear import PackedQ4Linear
+from llm_engine import cpu_ops, gguf_blocks
+from llm_engine.linear import PackedQ4Linear, PackedQ8Linear
 from llm_engine.weights import default_gguf_path, gguf_source
 
 from tests.unit.engine_harness import Run, build
@@ -109,10 +109,10 @@ def test_unpermuting_q_and_k_rows_is_what_transformers_does():
     for heads, kv_heads, n in ((9, 3, 192), (4, 4, 64)):
         processor = LlamaTensorProcessor(config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
         want_k = processor.process(rows[:n], "blk.0.attn_k.weight").weights
-        assert np.array_equal(gguf_q4._unpermute(rows[:n], kv_heads), want_k)
+        assert np.array_equal(gguf_blocks._unpermute(rows[:n], kv_heads), want_k)
         if n % heads == 0 and (n // heads) % 2 == 0:
             want_q = processor.process(rows[:n], "blk.0.attn_q.weight").weights
-            assert np.array_equal(gguf_q4._unpermute(rows[:n], heads), want_q)
+            assert np.array_equal(gguf_blocks._unpermute(rows[:n], heads), want_q)
 
 
 def test_the_default_gguf_blocks_decode_to_the_weights_the_model_loads():
@@ -125,16 +125,16 @@ def test_the_default_gguf_blocks_decode_to_the_weights_the_model_loads():
     assert gguf_source("") == default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     cfg, layer = model.config, model.model.layers[0]
-    blocks = gguf_q4.read_projections(default_gguf_path(), 1, cfg.num_attention_heads, cfg.num_key_value_heads)[0]
+    blocks = gguf_blocks.read_projections(default_gguf_path(), 1, cfg.num_attention_heads, cfg.num_key_value_heads)[0]
     a, m = layer.self_attn, layer.mlp
     weights = {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), "o": a.o_proj.weight,
                "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]), "down": m.down_proj.weight}
     ops = _q4_ops()
     for name, weight in weights.items():
-        assert gguf_q4.decodes_to(blocks[name], weight, ops), name
-    assert not gguf_q4.decodes_to(blocks["o"], a.o_proj.weight.T.contiguous(), ops)  # rows in another order
-    assert not gguf_q4.decodes_to(blocks["qkv"], weights["o"], ops)  # another shape
-    assert not gguf_q4.decodes_to(blocks["o"], a.o_proj.weight.float(), ops)  # not bf16
+        assert gguf_blocks.decodes_to(blocks[name], weight, ops), name
+    assert not gguf_blocks.decodes_to(blocks["o"], a.o_proj.weight.T.contiguous(), ops)  # rows in another order
+    assert not gguf_blocks.decodes_to(blocks["qkv"], weights["o"], ops)  # another shape
+    assert not gguf_blocks.decodes_to(blocks["o"], a.o_proj.weight.float(), ops)  # not bf16
 
 
 def test_the_gguf_source_follows_the_setting_not_the_cache_marker(tmp_path):
@@ -163,10 +163,11 @@ def test_the_engine_runs_every_decoder_linear_on_the_gguf_blocks(q4_engine):
     projections = [*runner.qkv, *runner.o_proj, *runner.gate_up, *runner.down]
     assert len(projections) == 120 and all(isinstance(lin, PackedQ4Linear) for lin in projections)
     assert runner.fused_layers is not None  # decode steps still run every layer in one C call
-    assert not isinstance(runner.lm_head, PackedQ4Linear)  # the tied head stays dense
     assert sum(lin.packed.numel() for lin in projections) == 106_168_320 * 3 // 4
-    # what the bench's memory-bound limit divides by: the blocks, and the bf16 lm_head
-    assert runner.weight_bytes_per_token() == 106_168_320 * 3 // 4 + 49152 * 576 * 2
+    if runner.ops.has_linear_q8:  # the tied head on the token embedding's Q8_0 blocks
+        assert isinstance(runner.lm_head, PackedQ8Linear)
+        # what the bench's memory-bound limit divides by: the Q4_1 blocks and the head's int8 copy
+        assert runner.weight_bytes_per_token() == 106_168_320 * 3 // 4 + 49152 * 576 * 9 // 8
 
 
 def test_the_q4_engine_answers_like_the_dense_one(q4_engine):
@@ -206,9 +207,11 @@ def test_dense_linear_weights_never_read_the_gguf(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF was read")
 
-    monkeypatch.setattr(gguf_q4, "read_projections", refuse)
+    monkeypatch.setattr(gguf_blocks, "read_projections", refuse)
+    monkeypatch.setattr(gguf_blocks, "read_lm_head", refuse)
     eng = build(dtype="bfloat16", linear_weights="dense", kvCacheMemoryMiB=64)
     try:
         assert not any(isinstance(lin, PackedQ4Linear) for lin in eng.runner.qkv)
+        assert not isinstance(eng.runner.lm_head, PackedQ8Linear)
     finally:
         eng.stop()

@@ -33,11 +33,12 @@ from .weights import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "linear_q4.c", "decoder_layers.c")]
+           for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "linear_q4.c", "linear_q8.c",
+                         "decoder_layers.c")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
-ABI_VERSION = 8
+ABI_VERSION = 9
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # The long kernels (paged attention, the bfloat16 Linears, the logits' argmax and logsumexp,
 # the whole decoder stack; C symbol prefixes) let go of the GIL while they run, so the Python
@@ -48,8 +49,8 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # 329-371 without (means 376 and 346); the engine alone did not change beyond its noise
 # (558-646 against 594-687). The short ones keep it: each retake could wait behind the
 # sender thread.
-RELEASE_GIL = ("paged_attention", "linear_amx_bf16", "linear_avx512_bf16", "linear_q4_bf16", "argmax_logsumexp",
-               "decoder_layers")
+RELEASE_GIL = ("paged_attention", "linear_amx_bf16", "linear_avx512_bf16", "linear_q4_bf16", "linear_q8_bf16",
+               "argmax_logsumexp", "decoder_layers")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
@@ -150,6 +151,11 @@ class CpuOps:
             self._linear_q4 = bind("linear_q4_bf16", [_P, _P, _P, _P, _I, _I, _I])
             self._q4_pack = bind("linear_q4_bf16_pack", [_P, _P, _I, _I])
             self._q4_dequantize = bind("linear_q4_bf16_dequantize", [_P, _P, _I, _I])
+        self._linear_q8 = None
+        if dtype == torch.bfloat16 and bind("linear_q8_bf16_init", [], ctypes.c_int)():
+            self._linear_q8 = bind("linear_q8_bf16", [_P, _P, _P, _P, _I, _I, _I])
+            self._q8_pack = bind("linear_q8_bf16_pack", [_P, _P, _I, _I])
+            self._q8_dequantize = bind("linear_q8_bf16_dequantize", [_P, _P, _I, _I])
         if self.bf16_kernel:
             symbol = _BF16_LINEARS[self.bf16_kernel][0]
             self._linear_bf16 = bind(symbol, [_P, _P, _P, _P, _I, _I, _I])
@@ -289,6 +295,48 @@ class CpuOps:
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
             self._linear_q4(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, x.shape[1])
+        return out
+
+
+    @property
+    def has_linear_q8(self) -> bool:
+        """Is the GGUF Q8_0 Linear (``csrc/linear_q8.c``, AVX512-BF16) built here?"""
+        return self._linear_q8 is not None
+
+    q8_fits = q4_fits  # whole blocks of 16 outputs and 32 inputs, as for Q4_1
+
+    def _q8_blocks(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        blocks = blocks.contiguous()
+        if not self.q8_fits(n, k) or blocks.dtype != torch.uint8 or blocks.numel() != n * k // 32 * 34:
+            raise ValueError(f"not the Q8_0 blocks of a {n}x{k} weight that fits: {blocks.dtype} "
+                             f"{tuple(blocks.shape)}")
+        return blocks
+
+    def q8_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q8_0 blocks ``uint8 [N, K / 32 * 34]`` in the layout :meth:`linear_q8` reads
+        (``uint8 [N * K * 9 / 8]``)."""
+        blocks = self._q8_blocks(blocks, n, k)
+        packed = torch.empty(n * k * 9 // 8, dtype=torch.uint8)
+        self._q8_pack(blocks.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def q8_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """The bfloat16 weight ``[N, K]`` GGUF Q8_0 blocks dequantise to, as gguf-py and torch
+        compute it (float32 ``d * q``, rounded to nearest even)."""
+        blocks = self._q8_blocks(blocks, n, k)
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        self._q8_dequantize(blocks.data_ptr(), out.data_ptr(), n, k)
+        return out
+
+    def linear_q8(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, the weight from :meth:`q8_pack` and a
+        float32 ``bias``: bit for bit what the AVX512-BF16 :meth:`linear_bf16` gives on the
+        dequantised weight, whatever ``M``."""
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m:
+            self._linear_q8(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, x.shape[1])
         return out
 
 

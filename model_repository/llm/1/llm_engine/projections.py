@@ -5,7 +5,8 @@ At small batch each matmul call costs more in overhead than in arithmetic, so fu
 is most of the single-stream speed. Every projection becomes a :func:`~.linear.make_linear`
 (prepacked where the device gains from it), or, where the model came from a GGUF whose
 layer Linears are Q4_1 and the runner can use them, a :class:`~.linear.PackedQ4Linear` on
-the file's own blocks (``ModelConfig.cpuLinearWeights``; :mod:`.gguf_q4`). The original
+the file's own blocks, and the lm_head a :class:`~.linear.PackedQ8Linear` on its Q8_0 blocks
+(``ModelConfig.cpuLinearWeights``; :mod:`.gguf_blocks`). The original
 modules are dropped, so the weights are held once; the tied embedding stays.
 """
 
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_q4
+from . import gguf_blocks
 from .linear import (
     Linear,
     PackedBf16Linear,
     PackedQ4Linear,
+    PackedQ8Linear,
     choose_fp32_kernels,
     make_linear,
     packed_invariant,
@@ -48,6 +50,7 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
     are used where ``ops`` can; ``q4_required``: warn where they can't (``gguf``, not ``auto``)."""
     layers = list(model.model.layers)
     q4 = _q4_blocks(q4_source, q4_required, ops, dtype, device, len(layers), num_heads, num_kv_heads)
+    head_blocks = gguf_blocks.read_lm_head(q4_source) if q4 and ops.has_linear_q8 else None
     size = torch.empty(0, dtype=dtype).element_size()
     weight_bytes = 0
 
@@ -56,7 +59,7 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
         ``weight``; else :func:`make_linear`."""
         nonlocal weight_bytes
         if blocks is not None and ops.q4_fits(*weight.shape):
-            if gguf_q4.decodes_to(blocks, weight, ops):
+            if gguf_blocks.decodes_to(blocks, weight, ops):
                 linear = PackedQ4Linear(torch.from_numpy(blocks), *weight.shape, bias, ops)
                 if packed_invariant(linear, tuple(weight.shape)):
                     weight_bytes += linear.packed.numel()
@@ -71,7 +74,7 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
     intermediate = layers[0].mlp.gate_proj.weight.shape[0]
     for i, layer in enumerate(layers):
         a, m = layer.self_attn, layer.mlp
-        blocks = q4[i] if q4 else dict.fromkeys(gguf_q4.PROJECTIONS)
+        blocks = q4[i] if q4 else dict.fromkeys(gguf_blocks.PROJECTIONS)
         b = None
         if a.q_proj.bias is not None:
             b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
@@ -81,17 +84,40 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
         down.append(projection(m.down_proj.weight, m.down_proj.bias, blocks["down"]))
         del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
     head = model.lm_head
-    lm_head = projection(head.weight, head.bias, None)
+    lm_head = _q8_head(head, head_blocks, ops)
+    if lm_head is None:
+        lm_head = projection(head.weight, head.bias, None)
+    else:
+        weight_bytes += lm_head.bytes_per_row
     linears = [*qkv, *o_proj, *gate_up, *down, lm_head]
     choose_fp32_kernels(linears, ops)
-    if packed := sum(isinstance(lin, PackedBf16Linear) for lin in linears):
-        extra = head.weight.numel() * 2 / 2**20 if isinstance(lm_head, PackedBf16Linear) else 0.0
+    if packed := sum(isinstance(lin, PackedBf16Linear | PackedQ8Linear) for lin in linears):
+        extra = head.weight.numel() * 2 / 2**20 if isinstance(lm_head, PackedBf16Linear | PackedQ8Linear) else 0.0
         log.info("bfloat16 matmuls on the fused %s kernel: %d of %d (the lm_head's weight stays beside its "
                  "packed copy: %.0f MiB more)", ops.bf16_kernel, packed, len(linears), extra)
     if q4s := [lin for lin in linears if isinstance(lin, PackedQ4Linear)]:
         log.info("decoder Linears on GGUF Q4_1 blocks (cpuLinearWeights): %d of %d, %.0f MiB", len(q4s),
                  len(linears), sum(lin.packed.numel() for lin in q4s) / 2**20)
+    if isinstance(lm_head, PackedQ8Linear):
+        log.info("lm_head on GGUF Q8_0 blocks (cpuLinearWeights) for steps of up to %d rows: %.0f MiB read "
+                 "against %.0f, held beside the packed bfloat16 weight", lm_head.NARROW_ROWS,
+                 lm_head.bytes_per_row / 2**20, head.weight.numel() * 2 / 2**20)
     return Projections(qkv, o_proj, gate_up, down, lm_head, intermediate, weight_bytes)
+
+
+def _q8_head(head: torch.nn.Linear, blocks, ops) -> PackedQ8Linear | None:
+    """The lm_head on its GGUF Q8_0 ``blocks`` where they decode to exactly its weight and the
+    bfloat16 kernel is the one whose bits the Q8 kernel reproduces (AVX512-BF16, not AMX)."""
+    if blocks is None or ops.bf16_kernel != "avx512_bf16" or not ops.bf16_fits(head.weight):
+        return None
+    if not ops.q8_fits(*head.weight.shape):
+        return None
+    if not gguf_blocks.decodes_to(blocks, head.weight, ops, "q8_0"):
+        log.warning("cpuLinearWeights: the lm_head's Q8_0 blocks do not decode to the loaded weight; it keeps "
+                    "the dense weight")
+        return None
+    linear = PackedQ8Linear(torch.from_numpy(blocks), head.weight, head.bias, ops)
+    return linear if packed_invariant(linear, tuple(head.weight.shape)) else None
 
 
 def _q4_blocks(source: Path | None, required: bool, ops, dtype: torch.dtype, device: torch.device, layers: int,
@@ -109,4 +135,4 @@ def _q4_blocks(source: Path | None, required: bool, ops, dtype: torch.dtype, dev
         log.info("cpuLinearWeights auto: dense weights on this AMX CPU (the Q4_1 kernel was measured against "
                  "the AVX512-BF16 kernel only; gguf uses it)")
         return None
-    return gguf_q4.read_projections(source, layers, num_heads, num_kv_heads, required)
+    return gguf_blocks.read_projections(source, layers, num_heads, num_kv_heads, required)

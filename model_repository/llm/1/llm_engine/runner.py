@@ -113,7 +113,7 @@ class ModelRunner:
                  gguf_q4_required: bool = False):
         """``gguf_q4_source``: the GGUF file the model was converted from, whose Q4_1 blocks the
         decoder Linears use where this runner can (``ModelConfig.cpuLinearWeights``; see
-        :mod:`.gguf_q4`); ``gguf_q4_required``: warn where it can't (``gguf`` rather than ``auto``)."""
+        :mod:`.gguf_blocks`); ``gguf_q4_required``: warn where it can't (``gguf`` rather than ``auto``)."""
         cfg = model.config
         self.model = model
         self.device = device

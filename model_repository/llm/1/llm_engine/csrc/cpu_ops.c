@@ -441,4 +441,4 @@ void argmax_logsumexp_f32(const float *x, int64_t rows, int64_t vocab, int64_t *
     }
 }
 
-int cpu_ops_abi_version(void) { return 8; }
+int cpu_ops_abi_version(void) { return 9; }

@@ -1,13 +1,15 @@
-"""The Q4_1 blocks of a GGUF checkpoint's decoder Linears, for ``csrc/linear_q4.c``.
+"""A GGUF checkpoint's own quantised blocks: the decoder Linears' Q4_1 (``csrc/linear_q4.c``)
+and the lm_head's Q8_0 (``csrc/linear_q8.c``).
 
 The engine normally runs on the float weights transformers dequantises a GGUF into
 (:mod:`.weights` caches them as an HF folder). With ``ModelConfig.cpuLinearWeights``
 ``gguf`` (or ``auto``, where it applies) the runner instead keeps, for every layer's q/k/v,
 o, gate/up and down projections, the file's own Q4_1 blocks, in the order of its fused
-projections. Reading 0.75 bytes a weight instead of bfloat16's 2 is what a few streams
-wait on.
+projections, and for the lm_head the Q8_0 blocks of ``output.weight`` or, where the head is
+tied, of ``token_embd.weight``. Reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead
+of bfloat16's 2 is what a few streams wait on.
 
-Each projection's blocks are checked at load: dequantised and rounded to bfloat16 they
+Each projection's and the head's blocks are checked at load: dequantised and rounded to bfloat16 they
 must equal, bit for bit, the weight the model loaded. That proves the tensor names, the
 row order (llama.cpp permutes the rows of q and k for its rotary layout; transformers
 undoes it) and the concatenation, for any model; a projection that fails keeps its
@@ -25,6 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 Q4_1_BLOCK_BYTES = 20  # per 32 weights: float16 d, float16 m, 16 bytes of 4-bit codes
+Q8_0_BLOCK_BYTES = 34  # per 32 weights: float16 d, 32 int8 codes
 _GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate",
                "up": "ffn_up", "down": "ffn_down"}
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the runner's fused projections
@@ -66,12 +69,31 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, -1).swapaxes(2, 1).reshape(rows.shape)
 
 
-def decodes_to(blocks: np.ndarray, weight: torch.Tensor, ops) -> bool:
-    """Do ``blocks`` dequantise (float32 ``d * q + m``, as gguf-py does) and round to exactly the
-    bfloat16 ``weight``? ``ops``: :class:`~llm_engine.cpu_ops.CpuOps` with the Q4_1 kernels."""
+def read_lm_head(path: Path) -> np.ndarray | None:
+    """The lm_head's Q8_0 blocks ``uint8 [vocab, hidden / 32 * 34]``: ``output.weight``, else the
+    tied ``token_embd.weight``; None where that tensor is another type."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    head = tensors.get("output.weight")
+    if head is None:
+        head = tensors.get("token_embd.weight")
+    if head is None or head.tensor_type != GGMLQuantizationType.Q8_0:
+        log.info("the lm_head of %s is %s, not Q8_0; it keeps the dense weight", path.name,
+                 "missing" if head is None else head.tensor_type.name)
+        return None
+    return np.array(head.data)  # a copy: the reader maps the file read-only
+
+
+def decodes_to(blocks: np.ndarray, weight: torch.Tensor, ops, kind: str = "q4_1") -> bool:
+    """Do ``blocks`` of ``kind`` (``q4_1``: float32 ``d * q + m``; ``q8_0``: ``d * q``, as gguf-py
+    dequantises them) round to exactly the bfloat16 ``weight``? ``ops``:
+    :class:`~llm_engine.cpu_ops.CpuOps` with that kind's kernels."""
     n, k = weight.shape
+    block_bytes, dequantize = {"q4_1": (Q4_1_BLOCK_BYTES, ops.q4_dequantize),
+                               "q8_0": (Q8_0_BLOCK_BYTES, ops.q8_dequantize)}[kind]
     if (weight.dtype != torch.bfloat16 or not ops.q4_fits(n, k)
-            or blocks.shape != (n, k // 32 * Q4_1_BLOCK_BYTES)):
+            or blocks.shape != (n, k // 32 * block_bytes)):
         return False
-    dense = ops.q4_dequantize(torch.from_numpy(blocks), n, k)
+    dense = dequantize(torch.from_numpy(blocks), n, k)
     return torch.equal(dense.view(torch.int16), weight.detach().cpu().view(torch.int16))
