@@ -71,3 +71,19 @@ def test_a_weight_path_names_a_checkpoint_folder_or_a_gguf_file(tmp_path):
     (tmp_path / "w.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a .gguf file"):
         resolve_model_dir(str(tmp_path / "w.safetensors"))
+
+
+def test_the_converted_folder_is_named_for_the_content_and_the_converter(tmp_path, monkeypatch):
+    """Installs with other transformers/tokenizers releases (or a changed converter) do not
+    share a converted folder; the same release and file do."""
+    from llm_engine.weights import cache_root, converter_id
+
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path))
+    gguf = _gguf(tmp_path / "m.gguf", size=2 << 20)
+    calls = []
+    monkeypatch.setattr(weights, "_convert", lambda src, target: calls.append(target) or target)
+    first = weights.convert_gguf(gguf)
+    assert first == cache_root() / f"m-{fingerprint(gguf)}-{converter_id()}"
+    monkeypatch.setattr(weights, "CONVERTER_VERSION", weights.CONVERTER_VERSION + 1)
+    assert converter_id() != first.name.rsplit("-", 1)[1]
+    assert weights.convert_gguf(gguf) != first

@@ -116,9 +116,27 @@ def gguf_source(weight_path: str = "") -> Path | None:
     return p if p.suffix == ".gguf" and p.is_file() else None
 
 
+CONVERTER_VERSION = 1  # in the folder's name: a change to _convert converts again
+
+
+def converter_id() -> str:
+    """What wrote a converted folder: this converter and the libraries that write its files.
+    The cache is shared by every install on the machine, and a tokenizer.json written by one
+    tokenizers release is not always read by an older one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [str(CONVERTER_VERSION)]
+    for package in ("transformers", "tokenizers"):
+        try:
+            parts.append(version(package))
+        except PackageNotFoundError:
+            parts.append("-")
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:8]
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise ``gguf`` once into an fp32 HF folder in the cache; return that folder."""
-    target = cache_root() / f"{gguf.stem}-{fingerprint(gguf)}"
+    target = cache_root() / f"{gguf.stem}-{fingerprint(gguf)}-{converter_id()}"
     if _converted(target):
         return target
     with cache_lock(target.name):
