@@ -150,3 +150,17 @@ def test_the_probe_times_the_kernels_the_runner_will_use(monkeypatch):
     assert len(packed) == (dtype_probe.PROBE_CALLS if ops is not None and ops.bf16_kernel else 0)
     assert sum(isinstance(lin, Fp32Linear) for lin in made) == dtype_probe.PROBE_CALLS
     assert dtype_probe.machine_key(64, 128, fused=True) != dtype_probe.machine_key(64, 128)
+
+
+def test_a_verdict_for_the_fused_kernels_names_their_build_and_needs_them_loaded(cache, monkeypatch):
+    """A verdict keyed "fused kernels" was measured on the build that loaded (a change to the
+    kernels measures again); where they fail to load, the verdict is the torch path's."""
+    from llm_engine import cpu_ops
+
+    if cpu_ops.load(torch.bfloat16) is None:
+        pytest.skip("no C compiler on this machine")
+    assert cpu_ops.library_id().startswith("cpu_ops-")
+    assert cpu_ops.library_id() in dtype_probe.machine_key(64, 128, fused=True)
+    monkeypatch.setattr(cpu_ops, "load", lambda dtype: None)
+    dtype_probe.cpu_dtype(64, 128, fused=True)
+    assert list(json.loads((cache / dtype_probe.VERDICTS).read_text())) == [dtype_probe.machine_key(64, 128)]

@@ -341,11 +341,17 @@ class CpuOps:
 
 
 _library: tuple[ctypes.PyDLL, ctypes.CDLL] | None = None
+_library_path: Path | None = None
+
+
+def library_id() -> str | None:
+    """The loaded library's name (``cpu_ops-<key>``: its sources, compiler, flags and CPU), or None."""
+    return _library_path.stem if _library_path is not None else None
 
 
 def load(dtype: torch.dtype) -> CpuOps | None:
     """The kernels for ``dtype``, or None where they can't be had (no compiler, other dtype)."""
-    global _library
+    global _library, _library_path
     if dtype not in _SUFFIX:
         return None
     if _library is None:
@@ -359,7 +365,7 @@ def load(dtype: torch.dtype) -> CpuOps | None:
         if lib.cpu_ops_abi_version() != ABI_VERSION:
             log.warning("fused CPU kernels at %s have another ABI; the torch path is used", path)
             return None
-        _library = lib, ctypes.CDLL(str(path))
+        _library, _library_path = (lib, ctypes.CDLL(str(path))), path
         runtimes = openmp_runtimes()
         if len(runtimes) > 1:
             log.warning("two OpenMP runtimes in this process (%s): the fused kernels' threads and torch's "

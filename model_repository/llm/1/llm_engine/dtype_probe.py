@@ -38,6 +38,7 @@ _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def cpu_dtype(hidden: int, inter: int, fused: bool = False) -> torch.dtype:
     """The faster of fp32 and bf16 for a ``hidden`` x ``inter`` Linear at 16 rows on this machine,
     with the fused CPU kernels' Linears when ``fused`` (the runner will load them)."""
+    fused = fused and cpu_ops.load(torch.bfloat16) is not None  # a verdict on torch's path is not one on these
     key = machine_key(hidden, inter, fused)
     path = cache_root() / VERDICTS
     try:
@@ -119,7 +120,8 @@ def time_linears(hidden: int, inter: int, ops=None) -> dict[torch.dtype, float]:
 
 def machine_key(hidden: int, inter: int, fused: bool = False) -> str:
     """What the verdict depends on: the CPU (model and flags), torch's build, threads, shape, the
-    fused kernels, and the probe."""
+    fused kernels (the build of them that loaded: a change to their code is measured again), and
+    the probe."""
     cpu = platform.processor() or platform.machine()
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -129,7 +131,7 @@ def machine_key(hidden: int, inter: int, fused: bool = False) -> str:
     except OSError:
         pass
     return (f"{cpu} | torch {torch.__version__} | threads {torch.get_num_threads()} | {hidden}x{inter}"
-            f"{' | fused kernels' if fused else ''} | probe {PROBE_VERSION}")
+            f"{f' | fused kernels {cpu_ops.library_id()}' if fused else ''} | probe {PROBE_VERSION}")
 
 
 def _read(path: Path) -> dict:
