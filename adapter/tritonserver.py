@@ -57,19 +57,38 @@ def prepare_backend(work_dir: Path | None = None) -> TritonPaths:
     python_dir = work_dir / "backends" / "python"
     python_dir.mkdir(parents=True, exist_ok=True)
     for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
-        link = python_dir / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(root / "backends" / "python" / name)
+        _link(python_dir / name, root / "backends" / "python" / name)
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub_src = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub_src.is_file():
         raise FileNotFoundError(f"no Triton Python stub for Python {version} in {stub_src.parent.parent}")
-    stub = python_dir / "triton_python_backend_stub"
-    if not stub.exists() or stub.stat().st_size != stub_src.stat().st_size:
-        shutil.copy2(stub_src, stub)
+    _copy_if_changed(stub_src, python_dir / "triton_python_backend_stub")
     libs = [root.parent.parent / "nvidia_pytriton.libs", Path(sysconfig.get_config_var("LIBDIR") or "")]
     return TritonPaths(root / "bin" / "tritonserver", work_dir / "backends", [p for p in libs if p.is_dir()])
+
+
+# Another launcher from the same checkout may be running from these files (`make serve`
+# beside the tests): each is left alone when it is already right, and replaced by a rename
+# when not, so that no reader ever finds it missing or half-written.
+
+
+def _link(link: Path, target: Path) -> None:
+    if link.is_symlink() and os.readlink(link) == str(target):
+        return
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    if dst.is_file():
+        a, b = src.stat(), dst.stat()
+        if a.st_size == b.st_size and a.st_mtime_ns == b.st_mtime_ns:  # copy2 keeps the mtime
+            return
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)  # a running stub keeps its old file
 
 
 def triton_env(paths: TritonPaths, config_path: Path) -> dict[str, str]:

@@ -293,3 +293,25 @@ def test_a_stalled_write_times_out_through_the_same_deadline_as_the_model_wait()
             await within(asyncio.sleep(10), 0.05)
 
     asyncio.run(run())
+
+
+def test_preparing_the_backend_twice_leaves_what_is_right_and_replaces_what_is_not(tmp_path):
+    """A second launcher from the same checkout must not pull a running one's files away:
+    links and the stub already right are left as they are; a stale stub is replaced whole."""
+    from adapter.tritonserver import prepare_backend
+
+    paths = prepare_backend(tmp_path)
+    python_dir = paths.backend_dir / "python"
+    stub = python_dir / "triton_python_backend_stub"
+    before = {p.name: p.lstat().st_ino for p in python_dir.iterdir()}
+    assert set(before) == {"libtriton_python.so", "triton_python_backend_utils.py", "triton_python_backend_stub"}
+    assert all((python_dir / name).resolve().is_file() for name in before)
+    prepare_backend(tmp_path)
+    assert {p.name: p.lstat().st_ino for p in python_dir.iterdir()} == before
+    source = stub.read_bytes()
+    stub.write_bytes(b"stale")  # an older stub, same inode: a rename must replace it
+    (python_dir / "libtriton_python.so").unlink()
+    prepare_backend(tmp_path)
+    assert stub.read_bytes() == source and stub.stat().st_ino != before["triton_python_backend_stub"]
+    assert (python_dir / "libtriton_python.so").resolve().is_file()
+    assert sorted(p.name for p in python_dir.iterdir()) == sorted(before)  # no temporary left
