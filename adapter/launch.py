@@ -143,16 +143,20 @@ class Supervisor:
             return False
 
     def _check_ports(self) -> None:
-        """Fail fast if another server holds a port: its readiness answer would fool us."""
-        t = self.settings.triton
-        for addr, port in ((t.httpAddress, t.httpPort), (t.grpcAddress, t.grpcPort),
-                           (t.httpAddress, t.metricsPort)):
-            with socket.socket() as sock:
+        """Fail fast if another server holds a port: its readiness answer would fool us. The
+        adapter's own port counts too until this launcher's adapter holds it."""
+        t, srv = self.settings.triton, self.settings.server
+        ports = [(t.httpAddress, t.httpPort), (t.grpcAddress, t.grpcPort), (t.httpAddress, t.metricsPort)]
+        if self.adapter is None or self.adapter.poll() is not None:
+            ports.append((srv.ipAddress, srv.port))
+        for addr, port in ports:
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            with socket.socket(family) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     sock.bind((addr, port))
                 except OSError as exc:
-                    raise RuntimeError(f"Triton port {addr}:{port} is already in use ({exc})") from None
+                    raise RuntimeError(f"port {addr}:{port} is already in use ({exc})") from None
 
     def _triton_live(self) -> bool:
         try:

@@ -315,3 +315,21 @@ def test_preparing_the_backend_twice_leaves_what_is_right_and_replaces_what_is_n
     assert stub.read_bytes() == source and stub.stat().st_ino != before["triton_python_backend_stub"]
     assert (python_dir / "libtriton_python.so").resolve().is_file()
     assert sorted(p.name for p in python_dir.iterdir()) == sorted(before)  # no temporary left
+
+
+def test_the_launcher_refuses_to_start_while_another_server_holds_the_adapters_port(tmp_path):
+    """Otherwise the readiness check could be answered by that other server."""
+    import socket
+
+    from adapter.launch import Supervisor
+    from tests.conftest import ROOT, write_settings
+
+    config = write_settings(tmp_path)
+    sup = Supervisor(config, ROOT / "model_repository")
+    with socket.socket() as other:
+        other.bind((sup.settings.server.ipAddress, sup.settings.server.port))
+        other.listen()
+        with pytest.raises(RuntimeError, match=f"port .*:{sup.settings.server.port} is already in use"):
+            sup.start_triton()
+    assert sup.triton is None
+
