@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -20,9 +21,33 @@ for p in (ROOT, ROOT / "model_repository" / "llm" / "1"):
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+# The stacks of a run use ports base + offset + (25, 100, 101, 102): the session's stack at
+# offset 0, the tests that start their own at these offsets.
+PORT_OFFSETS = (0, 500, 600, 700, 800, 850, 900)
+
+
+def _ports_free(base: int) -> bool:
+    for port in (base + off + p for off in PORT_OFFSETS for p in (25, 100, 101, 102)):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def _pick_port_base() -> str:
+    """18000 where its ports are free, else the next free base: another test run or a server
+    on this machine (a second checkout's tests, CI beside a developer) must not be answered for."""
+    return str(next((base for base in range(18000, 60000, 1500) if _ports_free(base)), 18000))
+
+
+os.environ.setdefault("MINDIE_TEST_PORT_BASE", _pick_port_base())
+
+
 def _free_port_base() -> int:
-    # Distinct per xdist worker / parallel run; fixed otherwise so logs are easy to read.
-    return int(os.environ.get("MINDIE_TEST_PORT_BASE", "18000"))
+    return int(os.environ["MINDIE_TEST_PORT_BASE"])
 
 
 def wait_for(predicate, timeout=10.0, interval=0.05) -> bool:

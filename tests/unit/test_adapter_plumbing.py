@@ -333,3 +333,16 @@ def test_the_launcher_refuses_to_start_while_another_server_holds_the_adapters_p
             sup.start_triton()
     assert sup.triton is None
 
+
+def test_the_test_run_picks_ports_no_other_server_holds():
+    import socket
+
+    from tests.conftest import _pick_port_base, _ports_free
+
+    base = int(_pick_port_base())
+    assert _ports_free(base)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", base + 25))
+        other.listen()
+        assert not _ports_free(base)
+        assert int(_pick_port_base()) != base
