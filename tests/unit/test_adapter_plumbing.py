@@ -324,12 +324,19 @@ def test_the_launcher_refuses_to_start_while_another_server_holds_the_adapters_p
     from adapter.launch import Supervisor
     from tests.conftest import ROOT, write_settings
 
-    config = write_settings(tmp_path)
-    sup = Supervisor(config, ROOT / "model_repository")
+    def free_port() -> int:  # not the run's base: the session's stack may hold those
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
     with socket.socket() as other:
-        other.bind((sup.settings.server.ipAddress, sup.settings.server.port))
+        other.bind(("127.0.0.1", 0))
         other.listen()
-        with pytest.raises(RuntimeError, match=f"port .*:{sup.settings.server.port} is already in use"):
+        port = other.getsockname()[1]
+        config = write_settings(tmp_path, ServerConfig={"port": port}, TritonConfig={
+            "httpPort": free_port(), "grpcPort": free_port(), "metricsPort": free_port()})
+        sup = Supervisor(config, ROOT / "model_repository")
+        with pytest.raises(RuntimeError, match=f"port 127.0.0.1:{port} is already in use"):
             sup.start_triton()
     assert sup.triton is None
 
