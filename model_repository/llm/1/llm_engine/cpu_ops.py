@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "linear_q4.c", "linear_q8.c",
                          "decoder_layers.c")]
+HEADERS = [Path(__file__).with_name("csrc") / "bf16_linear.h"]  # in the build key, not compiled alone
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels
@@ -88,7 +89,7 @@ def build_library() -> Path | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("C compiler %s unusable (%s); the fused CPU kernels are off", cc, exc)
         return None
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), version, " ".join([*CFLAGS, OPENMP]),
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in [*SOURCES, *HEADERS]), version, " ".join([*CFLAGS, OPENMP]),
                                      _cpu_flags()]).encode())
     target = cache_root() / "kernels" / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.is_file():

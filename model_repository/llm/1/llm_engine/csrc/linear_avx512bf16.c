@@ -19,16 +19,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_linear.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 #define PANEL 3        /* 16-output blocks per panel: 3 weight vectors per input pair */
 #define ROWS 8         /* rows per tile: 8 x 3 accumulators + 3 weights + 1 input of 32 zmm */
 #define WORK_MIN 16384 /* multiply-adds from which a call is split over threads */
-
-typedef uint16_t bf16;
-
-int cpu_ops_threads(void); /* cpu_ops.c: the thread count cpu_ops_set_threads() set */
 
 int linear_avx512_bf16_init(void) { return 1; }
 
@@ -43,12 +41,6 @@ void linear_avx512_bf16_pack(const bf16 *w, bf16 *packed, int64_t n, int64_t k) 
                 dst[2 * j + 1] = src[1];
             }
         }
-}
-
-static inline __m512bh broadcast_pair(const bf16 *x) {
-    int32_t v;
-    memcpy(&v, x, sizeof v);
-    return (__m512bh)_mm512_set1_epi32(v);
 }
 
 /* y[r][c*16 .. +16] for rows < R and blocks < C of one tile; R and C are constants where
@@ -87,22 +79,25 @@ static void dispatch(const bf16 *x, int64_t k, const bf16 *w, int64_t pairs, con
     switch (r) { TILE_R(1) TILE_R(2) TILE_R(3) TILE_R(4) TILE_R(5) TILE_R(6) TILE_R(7) TILE_R(8) }
 }
 
+struct call {
+    const bf16 *x, *packed;
+    const float *bias;
+    bf16 *y;
+    int64_t n, k;
+};
+
+static void run_tile(const void *p, int64_t r0, int r, int64_t b0, int c) {
+    const struct call *a = p;
+    const int64_t pairs = a->k / 2;
+    dispatch(a->x + r0 * a->k, a->k, a->packed + b0 * pairs * 32, pairs, a->bias ? a->bias + b0 * 16 : NULL,
+             a->y + r0 * a->n + b0 * 16, a->n, r, c);
+}
+
 /* y [m][n] = x [m][k] . w^T (+ bias, float32), w packed by linear_avx512_bf16_pack. */
 void linear_avx512_bf16(const bf16 *x, const bf16 *packed, const float *bias, bf16 *y, int64_t m, int64_t n,
                         int64_t k) {
-    const int64_t blocks = n / 16, pairs = k / 2, panels = (blocks + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(cpu_ops_threads()) if (m * n * k >= WORK_MIN)
-    for (int64_t pn = 0; pn < panels; pn++) {
-        const int64_t b0 = pn * PANEL;
-        const int c = (int)(blocks - b0 < PANEL ? blocks - b0 : PANEL);
-        const bf16 *w = packed + b0 * pairs * 32;
-        const int64_t tiles = (m + ROWS - 1) / ROWS;
-        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
-            const int r = (int)((m - r0) / (tiles - t)); /* near-equal tiles: 20 rows as 6,7,7 */
-            dispatch(x + r0 * k, k, w, pairs, bias ? bias + b0 * 16 : NULL, y + r0 * n + b0 * 16, n, r, c);
-            r0 += r;
-        }
-    }
+    const struct call a = {x, packed, bias, y, n, k};
+    split_panels(m, n / 16, PANEL, ROWS, m * n * k >= WORK_MIN, run_tile, &a);
 }
 
 #else

@@ -33,16 +33,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "bf16_linear.h"
+
 #define Q4_RECORD 384  /* bytes per 16 outputs x 32 inputs: 256 of codes, 16 d, 16 c */
 #define Q4_PANEL 3     /* 16-output blocks per panel */
 #define Q4_PANEL_ONE 6 /* ... for a single row: more independent chains (2.15x against 1.8x the bf16
                           kernel's speed over SmolLM2's layer matmuls on a 2-core EPYC) */
 #define Q4_ROWS 4      /* rows per tile: 2 x 4 x 3 accumulators, 3 code vectors, 1 input */
 #define Q4_WORK_MIN 16384
-
-typedef uint16_t bf16;
-
-int cpu_ops_threads(void); /* cpu_ops.c */
 
 int linear_q4_bf16_init(void) { return 1; }
 
@@ -85,18 +83,10 @@ void linear_q4_bf16_dequantize(const uint8_t *gguf, bf16 *out, int64_t n, int64_
         memcpy(half, src, sizeof half);
         const float d = _cvtsh_ss(half[0]), m = _cvtsh_ss(half[1]);
         for (int e = 0; e < 32; e++) {
-            const float scaled = d * (float)gguf_code(src, e), w = scaled + m;
-            uint32_t u;
-            memcpy(&u, &w, sizeof u);
-            out[i * 32 + e] = (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* finite: no NaN case */
+            const float scaled = d * (float)gguf_code(src, e);
+            out[i * 32 + e] = bf16_round(scaled + m);
         }
     }
-}
-
-static inline __m512bh pair_of(const bf16 *x) {
-    int32_t v;
-    memcpy(&v, x, sizeof v);
-    return (__m512bh)_mm512_set1_epi32(v);
 }
 
 /* sum(x) of each block of 32 of a row, in a fixed order. */
@@ -132,12 +122,12 @@ static inline __attribute__((always_inline)) void tile(const bf16 *x, const floa
             for (int c = 0; c < C; c++) {
                 z[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + (c * blocks + b) * Q4_RECORD + t * 32)));
                 const __m512bh q = (__m512bh)_mm512_ternarylogic_epi32(z[c], low, exponent, 0xEA); /* a&b | c */
-                for (int r = 0; r < R; r++) part[r][c] = _mm512_dpbf16_ps(part[r][c], pair_of(x + r * k + b * 32 + 4 * t), q);
+                for (int r = 0; r < R; r++) part[r][c] = _mm512_dpbf16_ps(part[r][c], broadcast_pair(x + r * k + b * 32 + 4 * t), q);
             }
             for (int c = 0; c < C; c++) {
                 const __m512bh q = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(z[c], 4), exponent);
                 for (int r = 0; r < R; r++)
-                    part[r][c] = _mm512_dpbf16_ps(part[r][c], pair_of(x + r * k + b * 32 + 4 * t + 2), q);
+                    part[r][c] = _mm512_dpbf16_ps(part[r][c], broadcast_pair(x + r * k + b * 32 + 4 * t + 2), q);
             }
         }
         for (int c = 0; c < C; c++) {
@@ -173,32 +163,34 @@ static void dispatch(const bf16 *x, const float *sums, int64_t k, const uint8_t 
     switch (r) { Q4_TILE_R(1) Q4_TILE_R(2) Q4_TILE_R(3) Q4_TILE_R(4) }
 }
 
-/* y [m][n] = x [m][k] . w^T (+ bias, float32), w packed by linear_q4_bf16_pack. A thread
- * takes whole panels of Q4_PANEL output blocks (Q4_PANEL_ONE for a single row) and runs the
- * rows over each in tiles of up to Q4_ROWS. Declared with bf16 *packed like the other Linears, so that decoder_layers.c
- * can call any of them. */
+struct call {
+    const bf16 *x;
+    const float *sums, *bias;
+    const uint8_t *packed;
+    bf16 *y;
+    int64_t n, k;
+};
+
+static void run_tile(const void *p, int64_t r0, int r, int64_t o0, int c) {
+    const struct call *a = p;
+    const int64_t blocks = a->k / 32;
+    dispatch(a->x + r0 * a->k, a->sums + r0 * blocks, a->k, a->packed + o0 * blocks * Q4_RECORD, blocks,
+             a->bias ? a->bias + o0 * 16 : NULL, a->y + r0 * a->n + o0 * 16, a->n, r, c);
+}
+
+/* y [m][n] = x [m][k] . w^T (+ bias, float32), w packed by linear_q4_bf16_pack, in panels of
+ * Q4_PANEL output blocks (Q4_PANEL_ONE for a single row) and tiles of up to Q4_ROWS rows
+ * (bf16_linear.h). Declared with bf16 *packed like the other Linears, so that
+ * decoder_layers.c can call any of them. */
 void linear_q4_bf16(const bf16 *x, const bf16 *packed_weight, const float *bias, bf16 *y, int64_t m, int64_t n,
                     int64_t k) {
     if (m <= 0) return;
-    const uint8_t *packed = (const uint8_t *)packed_weight;
-    const int64_t panel = m == 1 ? Q4_PANEL_ONE : Q4_PANEL;
-    const int64_t blocks = k / 32, outs = n / 16, panels = (outs + panel - 1) / panel;
+    const int64_t blocks = k / 32;
     float *sums = malloc(sizeof(float) * (size_t)(m * blocks));
     if (!sums) abort(); /* no way to report it; better than writing through NULL */
     for (int64_t r = 0; r < m; r++) block_sums(x + r * k, blocks, sums + r * blocks);
-#pragma omp parallel for schedule(static) num_threads(cpu_ops_threads()) if (m * n * k >= Q4_WORK_MIN)
-    for (int64_t pn = 0; pn < panels; pn++) {
-        const int64_t o0 = pn * panel;
-        const int c = (int)(outs - o0 < panel ? outs - o0 : panel);
-        const uint8_t *w = packed + o0 * blocks * Q4_RECORD;
-        const int64_t tiles = (m + Q4_ROWS - 1) / Q4_ROWS;
-        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
-            const int r = (int)((m - r0) / (tiles - t)); /* near-equal tiles */
-            dispatch(x + r0 * k, sums + r0 * blocks, k, w, blocks, bias ? bias + o0 * 16 : NULL,
-                     y + r0 * n + o0 * 16, n, r, c);
-            r0 += r;
-        }
-    }
+    const struct call a = {x, sums, bias, (const uint8_t *)packed_weight, y, n, k};
+    split_panels(m, n / 16, m == 1 ? Q4_PANEL_ONE : Q4_PANEL, Q4_ROWS, m * n * k >= Q4_WORK_MIN, run_tile, &a);
     free(sums);
 }
 

@@ -27,16 +27,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "bf16_linear.h"
+
 #define Q8_BLOCK 34   /* GGUF: float16 d, 32 int8 codes */
 #define Q8_RECORD 576 /* 512 bytes of codes, 16 float d */
 #define Q8_PANEL 3    /* 16-output blocks per panel */
 #define Q8_PANEL_ONE 6 /* ... for a single row */
 #define Q8_ROWS 4     /* rows per tile */
 #define Q8_WORK_MIN 16384
-
-typedef uint16_t bf16;
-
-int cpu_ops_threads(void); /* cpu_ops.c */
 
 int linear_q8_bf16_init(void) { return 1; }
 
@@ -70,18 +68,9 @@ void linear_q8_bf16_dequantize(const uint8_t *gguf, bf16 *out, int64_t n, int64_
         memcpy(&half, src, sizeof half);
         const float d = _cvtsh_ss(half);
         for (int e = 0; e < 32; e++) {
-            const float w = d * (float)(int8_t)src[2 + e];
-            uint32_t u;
-            memcpy(&u, &w, sizeof u);
-            out[i * 32 + e] = (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* finite: no NaN case */
+            out[i * 32 + e] = bf16_round(d * (float)(int8_t)src[2 + e]);
         }
     }
-}
-
-static inline __m512bh pair_of(const bf16 *x) {
-    int32_t v;
-    memcpy(&v, x, sizeof v);
-    return (__m512bh)_mm512_set1_epi32(v);
 }
 
 /* One chunk of 32 codes (16 outputs x 2 inputs) -> their bfloat16 weights: d * q in float32
@@ -114,7 +103,7 @@ static inline __attribute__((always_inline)) void tile(const bf16 *x, int64_t k,
             for (int c = 0; c < C; c++) {
                 const __m512bh q = weights_of(w + (c * blocks + b) * Q8_RECORD + t * 32, d_lo[c], d_hi[c]);
                 for (int r = 0; r < R; r++)
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair_of(x + r * k + b * 32 + 2 * t), q);
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], broadcast_pair(x + r * k + b * 32 + 2 * t), q);
             }
     }
     for (int r = 0; r < R; r++)
@@ -141,28 +130,30 @@ static void dispatch(const bf16 *x, int64_t k, const uint8_t *w, int64_t blocks,
     switch (r) { Q8_TILE_R(1) Q8_TILE_R(2) Q8_TILE_R(3) Q8_TILE_R(4) }
 }
 
+struct call {
+    const bf16 *x;
+    const float *bias;
+    const uint8_t *packed;
+    bf16 *y;
+    int64_t n, k;
+};
+
+static void run_tile(const void *p, int64_t r0, int r, int64_t o0, int c) {
+    const struct call *a = p;
+    const int64_t blocks = a->k / 32;
+    dispatch(a->x + r0 * a->k, a->k, a->packed + o0 * blocks * Q8_RECORD, blocks, a->bias ? a->bias + o0 * 16 : NULL,
+             a->y + r0 * a->n + o0 * 16, a->n, r, c);
+}
+
 /* y [m][n] = x [m][k] . w^T (+ bias, float32), w packed by linear_q8_bf16_pack; bit for bit
- * what linear_avx512_bf16 gives on the dequantised weight. A thread takes whole panels of
- * output blocks and runs the rows over each in tiles of up to Q8_ROWS. Declared with
- * bf16 *packed like the other Linears. */
+ * what linear_avx512_bf16 gives on the dequantised weight. In panels of Q8_PANEL output
+ * blocks (Q8_PANEL_ONE for a single row) and tiles of up to Q8_ROWS rows (bf16_linear.h).
+ * Declared with bf16 *packed like the other Linears. */
 void linear_q8_bf16(const bf16 *x, const bf16 *packed_weight, const float *bias, bf16 *y, int64_t m, int64_t n,
                     int64_t k) {
     if (m <= 0) return;
-    const uint8_t *packed = (const uint8_t *)packed_weight;
-    const int64_t panel = m == 1 ? Q8_PANEL_ONE : Q8_PANEL;
-    const int64_t blocks = k / 32, outs = n / 16, panels = (outs + panel - 1) / panel;
-#pragma omp parallel for schedule(static) num_threads(cpu_ops_threads()) if (m * n * k >= Q8_WORK_MIN)
-    for (int64_t pn = 0; pn < panels; pn++) {
-        const int64_t o0 = pn * panel;
-        const int c = (int)(outs - o0 < panel ? outs - o0 : panel);
-        const uint8_t *w = packed + o0 * blocks * Q8_RECORD;
-        const int64_t tiles = (m + Q8_ROWS - 1) / Q8_ROWS;
-        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
-            const int r = (int)((m - r0) / (tiles - t)); /* near-equal tiles */
-            dispatch(x + r0 * k, k, w, blocks, bias ? bias + o0 * 16 : NULL, y + r0 * n + o0 * 16, n, r, c);
-            r0 += r;
-        }
-    }
+    const struct call a = {x, bias, (const uint8_t *)packed_weight, y, n, k};
+    split_panels(m, n / 16, m == 1 ? Q8_PANEL_ONE : Q8_PANEL, Q8_ROWS, m * n * k >= Q8_WORK_MIN, run_tile, &a);
 }
 
 #else
