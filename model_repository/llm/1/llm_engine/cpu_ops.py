@@ -260,84 +260,82 @@ class CpuOps:
         """Is the GGUF Q4_1 Linear (``csrc/linear_q4.c``, AVX512-BF16) built here?"""
         return self._linear_q4 is not None
 
-    @staticmethod
-    def q4_fits(n: int, k: int) -> bool:
-        """Can :meth:`linear_q4` serve an ``[n, k]`` weight (whole blocks of 16 outputs and 32 inputs)?"""
-        return n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0
-
-    def _q4_blocks(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        blocks = blocks.contiguous()
-        if not self.q4_fits(n, k) or blocks.dtype != torch.uint8 or blocks.numel() != n * k // 32 * 20:
-            raise ValueError(f"not the Q4_1 blocks of a {n}x{k} weight that fits: {blocks.dtype} "
-                             f"{tuple(blocks.shape)}")
-        return blocks
-
-    def q4_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """GGUF Q4_1 blocks ``uint8 [N, K / 32 * 20]`` in the layout :meth:`linear_q4` reads
-        (``uint8 [N * K * 3 / 4]``)."""
-        blocks = self._q4_blocks(blocks, n, k)
-        packed = torch.empty(n * k * 3 // 4, dtype=torch.uint8)
-        self._q4_pack(blocks.data_ptr(), packed.data_ptr(), n, k)
-        return packed
-
-    def q4_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """The bfloat16 weight ``[N, K]`` GGUF Q4_1 blocks dequantise to, as gguf-py and torch
-        compute it (float32 ``d * q + m``, rounded to nearest even)."""
-        blocks = self._q4_blocks(blocks, n, k)
-        out = torch.empty(n, k, dtype=torch.bfloat16)
-        self._q4_dequantize(blocks.data_ptr(), out.data_ptr(), n, k)
-        return out
-
-    def linear_q4(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, the weight from :meth:`q4_pack` and a
-        float32 ``bias``; each row's bits are the same whatever ``M``."""
-        x = x.contiguous()
-        m = x.shape[0]
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m:
-            self._linear_q4(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, x.shape[1])
-        return out
-
-
     @property
     def has_linear_q8(self) -> bool:
         """Is the GGUF Q8_0 Linear (``csrc/linear_q8.c``, AVX512-BF16) built here?"""
         return self._linear_q8 is not None
 
-    q8_fits = q4_fits  # whole blocks of 16 outputs and 32 inputs, as for Q4_1
+    @staticmethod
+    def q4_fits(n: int, k: int) -> bool:
+        """Can :meth:`linear_q4` or :meth:`linear_q8` serve an ``[n, k]`` weight (whole blocks of
+        16 outputs and 32 inputs)?"""
+        return n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0
 
-    def _q8_blocks(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        blocks = blocks.contiguous()
-        if not self.q8_fits(n, k) or blocks.dtype != torch.uint8 or blocks.numel() != n * k // 32 * 34:
-            raise ValueError(f"not the Q8_0 blocks of a {n}x{k} weight that fits: {blocks.dtype} "
-                             f"{tuple(blocks.shape)}")
-        return blocks
+    q8_fits = q4_fits
+
+    def q4_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """GGUF Q4_1 blocks ``uint8 [N, K / 32 * 20]`` in the layout :meth:`linear_q4` reads
+        (``uint8 [N * K * 3 / 4]``)."""
+        return self._pack("Q4_1", self._q4_pack, blocks, n, k)
 
     def q8_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """GGUF Q8_0 blocks ``uint8 [N, K / 32 * 34]`` in the layout :meth:`linear_q8` reads
         (``uint8 [N * K * 9 / 8]``)."""
-        blocks = self._q8_blocks(blocks, n, k)
-        packed = torch.empty(n * k * 9 // 8, dtype=torch.uint8)
-        self._q8_pack(blocks.data_ptr(), packed.data_ptr(), n, k)
-        return packed
+        return self._pack("Q8_0", self._q8_pack, blocks, n, k)
+
+    def q4_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """The bfloat16 weight ``[N, K]`` GGUF Q4_1 blocks dequantise to, as gguf-py and torch
+        compute it (float32 ``d * q + m``, rounded to nearest even)."""
+        return self._dequantize("Q4_1", self._q4_dequantize, blocks, n, k)
 
     def q8_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """The bfloat16 weight ``[N, K]`` GGUF Q8_0 blocks dequantise to, as gguf-py and torch
         compute it (float32 ``d * q``, rounded to nearest even)."""
-        blocks = self._q8_blocks(blocks, n, k)
-        out = torch.empty(n, k, dtype=torch.bfloat16)
-        self._q8_dequantize(blocks.data_ptr(), out.data_ptr(), n, k)
-        return out
+        return self._dequantize("Q8_0", self._q8_dequantize, blocks, n, k)
+
+    def linear_q4(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, the weight from :meth:`q4_pack` and a
+        float32 ``bias``; each row's bits are the same whatever ``M``."""
+        return self._linear_blocks(self._linear_q4, x, packed, n, bias)
 
     def linear_q8(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, the weight from :meth:`q8_pack` and a
         float32 ``bias``: bit for bit what the AVX512-BF16 :meth:`linear_bf16` gives on the
         dequantised weight, whatever ``M``."""
+        return self._linear_blocks(self._linear_q8, x, packed, n, bias)
+
+    # GGUF block formats: bytes per block of 32 weights, and packed bytes per weight (num, den)
+    _GGUF_FORMATS = {"Q4_1": (20, 3, 4), "Q8_0": (34, 9, 8)}
+
+    def _blocks(self, kind: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        blocks = blocks.contiguous()
+        size = self._GGUF_FORMATS[kind][0]
+        if not self.q4_fits(n, k) or blocks.dtype != torch.uint8 or blocks.numel() != n * k // 32 * size:
+            raise ValueError(f"not the {kind} blocks of a {n}x{k} weight that fits: {blocks.dtype} "
+                             f"{tuple(blocks.shape)}")
+        return blocks
+
+    def _pack(self, kind: str, pack, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        blocks = self._blocks(kind, blocks, n, k)
+        _, num, den = self._GGUF_FORMATS[kind]
+        packed = torch.empty(n * k * num // den, dtype=torch.uint8)
+        pack(blocks.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def _dequantize(self, kind: str, dequantize, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        blocks = self._blocks(kind, blocks, n, k)
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        dequantize(blocks.data_ptr(), out.data_ptr(), n, k)
+        return out
+
+    @staticmethod
+    def _linear_blocks(linear, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
         x = x.contiguous()
         m = x.shape[0]
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
-            self._linear_q8(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, x.shape[1])
+            linear(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, x.shape[1])
         return out
 
 
