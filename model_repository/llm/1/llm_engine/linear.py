@@ -35,7 +35,7 @@ weights (``csrc/linear_q4.c``, on AVX512-BF16; :mod:`.gguf_blocks` maps and chec
 blocks). Batch-invariant by construction too, with other last bits than the bfloat16
 kernel (a scale per block of 32, applied in float32). The lm_head likewise reads the
 GGUF's Q8_0 blocks (:class:`PackedQ8Linear`, ``csrc/linear_q8.c``), 1.125 bytes a weight
-for a few rows.
+for one or two rows.
 
 float32 on CPU. Whether oneDNN's prepacked kernel beats ``F.linear`` (MKL) depends on the
 CPU: on a 2-core AVX2 EPYC (no AVX-512) 120 layer matmuls at 8 rows took 71 ms prepacked
@@ -145,7 +145,7 @@ class PackedQ8Linear:
     to :attr:`NARROW_ROWS` rows read the Q8_0 codes (``csrc/linear_q8.c``, 1.125 bytes a weight
     against 2), more rows the AVX512-BF16 kernel's packed bfloat16 weight. The Q8 kernel gives
     that kernel's bits on the dequantised weight, so a row's bits do not depend on which served
-    it. It rebuilds each weight from its code (five vector instructions per 32), so it only pays
+    it. It rebuilds each weight from its code (seven vector instructions per 32), so it only pays
     where a call waits on memory: SmolLM2-135M's lm_head (49152 x 576) on a 2-core AMD EPYC,
     alone, best of 14, took 1.05 against 1.47 ms at one row, 1.36 against 1.57 at two and 1.49
     against 1.62 at four; inside decode steps (two engines in one process, steps alternating,
