@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from llm_engine.config import Settings
-from llm_engine.weights import model_limits, resolve_model_dir
+from llm_engine.weights import gguf_source, model_limits, resolve_model_dir
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -100,7 +100,10 @@ class Service:
         self.triton = triton
         self.model_name = settings.model.modelName
         model_dir = resolve_model_dir(settings.model.modelWeightPath)
-        self.model_root = model_dir.name
+        # /v1/models' "root": the weights' name as configured (a GGUF file's stem), not the
+        # cache folder it was converted into
+        gguf = gguf_source(settings.model.modelWeightPath)
+        self.model_root = gguf.stem if gguf is not None else model_dir.name
         if tokenizer is None:
             from transformers import AutoTokenizer
 

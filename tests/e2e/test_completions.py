@@ -108,6 +108,8 @@ def test_models_and_health(client):
     assert client.get("/health").status_code == 200
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL_NAME
+    # the weights' name, not the cache folder the GGUF was converted into
+    assert models["data"][0]["root"] == "SmolLM2-135M-Instruct.Q4_1"
     assert client.get("/nope").status_code == 404
 
 
