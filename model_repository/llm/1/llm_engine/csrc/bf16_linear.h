@@ -27,6 +27,13 @@ static inline __m512bh broadcast_pair(const bf16 *x) {
     memcpy(&v, x, sizeof v);
     return (__m512bh)_mm512_set1_epi32(v);
 }
+
+/* 16 outputs' float32 sums, plus their float32 bias where there is one, rounded to bfloat16
+ * (to nearest even) and stored: how every tile ends. */
+static inline void store_outputs(__m512 sums, const float *bias, bf16 *y) {
+    if (bias) sums = _mm512_add_ps(sums, _mm512_loadu_ps(bias));
+    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sums));
+}
 #endif
 
 /* The split: a thread takes whole panels of output blocks (16 outputs each), so a panel is

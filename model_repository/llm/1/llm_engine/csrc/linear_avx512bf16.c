@@ -60,11 +60,7 @@ static inline __attribute__((always_inline)) void tile(const bf16 *x, int64_t k,
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            __m512 v = acc[r][c];
-            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c * 16));
-            _mm256_storeu_si256((__m256i *)(y + r * n + c * 16), (__m256i)_mm512_cvtneps_pbh(v)); /* RNE */
-        }
+        for (int c = 0; c < C; c++) store_outputs(acc[r][c], bias ? bias + c * 16 : NULL, y + r * n + c * 16);
 }
 
 #define TILE_C(R, C) \
