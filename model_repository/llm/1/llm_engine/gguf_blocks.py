@@ -19,6 +19,7 @@ dense weight.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +34,29 @@ _GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the runner's fused projections
 
 
-def read_projections(path: Path, layers: int, num_heads: int, num_kv_heads: int, required: bool = True
-                     ) -> list[dict[str, np.ndarray]] | None:
+@dataclass
+class GgufFile:
+    """A GGUF's tensors by name, parsed once: gguf-py takes ~2 s to read SmolLM2's file."""
+
+    name: str
+    tensors: dict
+
+
+def open_gguf(path: Path) -> GgufFile:
+    from gguf import GGUFReader
+
+    return GgufFile(path.name, {t.name: t for t in GGUFReader(str(path)).tensors})
+
+
+def read_projections(source: Path | GgufFile, layers: int, num_heads: int, num_kv_heads: int,
+                     required: bool = True) -> list[dict[str, np.ndarray]] | None:
     """Per layer, ``{"qkv", "o", "gate_up", "down"}``: ``uint8 [N, K / 32 * 20]`` blocks, rows in
     the order the runner's projections have them; None unless every one of those tensors is
     Q4_1 (a warning when ``required``)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    gguf = source if isinstance(source, GgufFile) else open_gguf(source)
+    tensors = gguf.tensors
     out = []
     for i in range(layers):
         raw = {}
@@ -50,7 +66,7 @@ def read_projections(path: Path, layers: int, num_heads: int, num_kv_heads: int,
                 kind = "missing" if t is None else t.tensor_type.name
                 (log.warning if required else log.info)(
                     "cpuLinearWeights: blk.%d.%s.weight in %s is %s, not Q4_1; dense weights are used", i, name,
-                    path.name, kind)
+                    gguf.name, kind)
                 return None
             raw[key] = np.asarray(t.data)
         out.append({
@@ -69,17 +85,17 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, -1).swapaxes(2, 1).reshape(rows.shape)
 
 
-def read_lm_head(path: Path) -> np.ndarray | None:
+def read_lm_head(source: Path | GgufFile) -> np.ndarray | None:
     """The lm_head's Q8_0 blocks ``uint8 [vocab, hidden / 32 * 34]``: ``output.weight``, else the
     tied ``token_embd.weight``; None where that tensor is another type."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    head = tensors.get("output.weight")
+    gguf = source if isinstance(source, GgufFile) else open_gguf(source)
+    head = gguf.tensors.get("output.weight")
     if head is None:
-        head = tensors.get("token_embd.weight")
+        head = gguf.tensors.get("token_embd.weight")
     if head is None or head.tensor_type != GGMLQuantizationType.Q8_0:
-        log.info("the lm_head of %s is %s, not Q8_0; it keeps the dense weight", path.name,
+        log.info("the lm_head of %s is %s, not Q8_0; it keeps the dense weight", gguf.name,
                  "missing" if head is None else head.tensor_type.name)
         return None
     return np.array(head.data)  # a copy: the reader maps the file read-only

@@ -49,8 +49,10 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
     projection modules. ``q4_source``: the GGUF the model was converted from, whose Q4_1 blocks
     are used where ``ops`` can; ``q4_required``: warn where they can't (``gguf``, not ``auto``)."""
     layers = list(model.model.layers)
-    q4 = _q4_blocks(q4_source, q4_required, ops, dtype, device, len(layers), num_heads, num_kv_heads)
-    head_blocks = gguf_blocks.read_lm_head(q4_source) if q4 and ops.has_linear_q8 else None
+    gguf = _usable_gguf(q4_source, q4_required, ops, dtype, device)
+    q4 = gguf_blocks.read_projections(gguf, len(layers), num_heads, num_kv_heads, q4_required) if gguf else None
+    head_blocks = gguf_blocks.read_lm_head(gguf) if q4 and ops.has_linear_q8 else None
+    del gguf  # the blocks are copies; the file's mapping can go
     size = torch.empty(0, dtype=dtype).element_size()
     weight_bytes = 0
 
@@ -120,9 +122,9 @@ def _q8_head(head: torch.nn.Linear, blocks, ops) -> PackedQ8Linear | None:
     return linear if packed_invariant(linear, tuple(head.weight.shape)) else None
 
 
-def _q4_blocks(source: Path | None, required: bool, ops, dtype: torch.dtype, device: torch.device, layers: int,
-               num_heads: int, num_kv_heads: int) -> list[dict] | None:
-    """The Q4_1 blocks of ``source``'s decoder Linears, where these kernels can use them."""
+def _usable_gguf(source: Path | None, required: bool, ops, dtype: torch.dtype, device: torch.device
+                 ) -> gguf_blocks.GgufFile | None:
+    """``source``, opened once, where these kernels can use its blocks."""
     if source is None:
         return None
     if ops is None or dtype != torch.bfloat16 or not ops.has_linear_q4:
@@ -135,4 +137,4 @@ def _q4_blocks(source: Path | None, required: bool, ops, dtype: torch.dtype, dev
         log.info("cpuLinearWeights auto: dense weights on this AMX CPU (the Q4_1 kernel was measured against "
                  "the AVX512-BF16 kernel only; gguf uses it)")
         return None
-    return gguf_blocks.read_projections(source, layers, num_heads, num_kv_heads, required)
+    return gguf_blocks.open_gguf(source)
