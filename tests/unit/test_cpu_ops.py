@@ -239,6 +239,26 @@ def test_the_library_is_built_once_and_then_reused(monkeypatch, tmp_path):
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]
 
 
+def test_a_failed_openmp_build_is_tried_again_not_replaced_for_good(monkeypatch, tmp_path):
+    """Without OpenMP the single-threaded build serves, under a key of its own: once OpenMP
+    builds again (a passing fault, a compiler that gained it), the next load gets it."""
+    if cpu_cores.c_compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    tiny = tmp_path / "tiny.c"
+    tiny.write_text("int cpu_ops_abi_version(void) { return 0; }\n")
+    monkeypatch.setattr(cpu_ops, "SOURCES", [tiny])
+    monkeypatch.setattr(cpu_ops, "HEADERS", [])
+    monkeypatch.setenv("MINDIE_TRITON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_ops, "OPENMP", "-fno-such-option-here")
+    single = cpu_ops.build_library()
+    assert single is not None and single.is_file()
+    assert cpu_ops.build_library() == single  # cached: no new file
+    monkeypatch.setattr(cpu_ops, "OPENMP", "-fopenmp")
+    threaded = cpu_ops.build_library()
+    assert threaded is not None and threaded != single
+    assert sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir()) == sorted([single.name, threaded.name])
+
+
 def test_float16_and_other_architectures_keep_the_torch_path():
     assert cpu_ops.load(torch.float16) is None
 

@@ -79,7 +79,12 @@ def _cpu_flags() -> str:
 
 
 def build_library() -> Path | None:
-    """The compiled library for this machine, built into the cache on first use; None if it can't be."""
+    """The compiled library for this machine, built into the cache on first use; None if it can't be.
+
+    The OpenMP build is tried first, then a single-threaded one. Each is cached under a key
+    of its own flags, so a failed OpenMP build (a compiler without it, or a passing fault)
+    is tried again at the next load instead of the fallback standing in for it for good.
+    """
     cc = c_compiler()
     if cc is None:
         log.warning("no C compiler found; the fused CPU kernels are off (the torch path is used)")
@@ -89,33 +94,36 @@ def build_library() -> Path | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("C compiler %s unusable (%s); the fused CPU kernels are off", cc, exc)
         return None
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in [*SOURCES, *HEADERS]), version, " ".join([*CFLAGS, OPENMP]),
-                                     _cpu_flags()]).encode())
-    target = cache_root() / "kernels" / f"cpu_ops-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
+    sources = [src.read_text() for src in [*SOURCES, *HEADERS]]
+    for flags in ([*CFLAGS, OPENMP], CFLAGS):
+        key = hashlib.sha256("\0".join([*sources, version, " ".join(flags), _cpu_flags()]).encode())
+        target = cache_root() / "kernels" / f"cpu_ops-{key.hexdigest()[:16]}.so"
+        if target.is_file() or _compile(cc, flags, target):
+            return target
+    log.warning("the torch path is used instead of the fused CPU kernels")
+    return None
+
+
+def _compile(cc: str, flags: list[str], target: Path) -> bool:
+    """Build ``target`` with ``flags``; a failure leaves no file behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        for flags in ([*CFLAGS, OPENMP], CFLAGS):
-            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
-            if proc.returncode == 0:
-                break
+        proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
             log.warning("building the fused CPU kernels with %s failed:\n%s", " ".join(flags), proc.stderr[-2000:])
-        else:
-            log.warning("the torch path is used instead of the fused CPU kernels")
-            return None
+            return False
         os.replace(tmp, target)  # atomic: instances building at once each leave a whole file
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("building the fused CPU kernels failed (%s); the torch path is used", exc)
-        return None
+        log.warning("building the fused CPU kernels with %s failed (%s)", " ".join(flags), exc)
+        return False
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("built the fused CPU kernels: %s", target)
-    return target
+    return True
 
 
 def ptr_or_none(t: torch.Tensor | None) -> int | None:
