@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from llm_engine import weights
@@ -87,3 +88,78 @@ def test_the_converted_folder_is_named_for_the_content_and_the_converter(tmp_pat
     monkeypatch.setattr(weights, "CONVERTER_VERSION", weights.CONVERTER_VERSION + 1)
     assert converter_id() != first.name.rsplit("-", 1)[1]
     assert weights.convert_gguf(gguf) != first
+
+
+def test_one_reading_of_the_weight_path_serves_the_folder_and_the_gguf(tmp_path):
+    """``resolve_model_dir`` and ``gguf_source`` both follow ``locate_weights``."""
+    default = weights.locate_weights("")
+    assert default.is_gguf and default.path == weights.default_gguf_path()
+    assert weights.gguf_source("") == default.path
+    (tmp_path / "config.json").write_text("{}")
+    folder = weights.locate_weights(str(tmp_path))
+    assert folder == weights.WeightSource(tmp_path, False)
+    assert weights.gguf_source(str(tmp_path)) is None
+    gguf = _gguf(tmp_path / "m.gguf", size=2 << 20)
+    assert weights.locate_weights(str(gguf)) == weights.WeightSource(gguf, True)
+    assert weights.gguf_source(str(gguf)) == gguf
+    for bad in ("missing.gguf", "w.bin"):
+        with pytest.raises(FileNotFoundError):
+            weights.locate_weights(str(tmp_path / bad))
+        assert weights.gguf_source(str(tmp_path / bad)) is None
+
+
+def test_a_conversion_that_died_leaves_nothing_the_next_one_keeps(tmp_path, monkeypatch):
+    """A killed conversion's temp folder is removed by the next conversion of that file
+    (under its lock); other files' folders and the lock files stay."""
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path / "cache"))
+    gguf = _gguf(tmp_path / "m.gguf", size=2 << 20)
+    target = weights.cache_root() / f"m-{fingerprint(gguf)}-{weights.converter_id()}"
+    dead = target.parent / f"{target.name}.k1x9q"
+    dead.mkdir(parents=True)
+    (dead / "model.safetensors").write_bytes(b"half")
+    other = target.parent / "other-0123.abcd"
+    other.mkdir()
+    monkeypatch.setattr(weights, "_convert", lambda src, dst: dst)
+    assert weights.convert_gguf(gguf) == target
+    assert not dead.exists() and other.is_dir()
+    assert (target.parent / f"{target.name}.lock").is_file()
+
+
+def test_a_conversion_that_fails_removes_its_temp_folder(tmp_path, monkeypatch):
+    import transformers
+
+    class Saves:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def save_pretrained(self, path):
+            (Path(path) / "part").write_bytes(b"x")
+            if self.fail:
+                raise OSError("No space left on device")
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, *a, **k):
+            pass
+
+        def tie_weights(self):
+            pass
+
+    class Loader:
+        @staticmethod
+        def from_pretrained(*a, **k):
+            return Saves(fail=False)
+
+        @staticmethod
+        def from_config(config):
+            return Saves(fail=True)
+
+    for name in ("AutoTokenizer", "AutoModelForCausalLM", "AutoConfig"):
+        monkeypatch.setattr(transformers, name, Loader)
+    gguf = _gguf(tmp_path / "m.gguf", size=2 << 20)
+    target = tmp_path / "cache" / "m-converted"
+    with pytest.raises(OSError, match="No space left"):
+        weights._convert(gguf, target)
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir()] == []

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -83,37 +84,47 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_model_dir(weight_path: str = "") -> Path:
-    """Return a HF checkpoint directory for ``weight_path``, converting GGUF when needed.
+@dataclass(frozen=True)
+class WeightSource:
+    """What a ``modelWeightPath`` names: a HF checkpoint folder, or a GGUF file."""
 
-    ``weight_path`` may be a HF directory, a ``.gguf`` file, or empty for the default.
-    """
-    if weight_path:
-        p = Path(weight_path).expanduser()
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise FileNotFoundError(f"modelWeightPath {p} has no config.json")
-            return p
-        if p.is_file() and p.suffix == ".gguf":
-            return convert_gguf(p)
-        raise FileNotFoundError(f"modelWeightPath {p} is neither a checkpoint directory nor a .gguf file")
-    return convert_gguf(default_gguf_path())
+    path: Path
+    is_gguf: bool
+
+
+def locate_weights(weight_path: str = "") -> WeightSource:
+    """The one reading of ``modelWeightPath``: a HF directory, a ``.gguf`` file, or empty
+    for the embedded default GGUF. Raises ``FileNotFoundError`` for anything else."""
+    if not weight_path:
+        return WeightSource(default_gguf_path(), True)
+    p = Path(weight_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"modelWeightPath {p} has no config.json")
+        return WeightSource(p, False)
+    if p.is_file() and p.suffix == ".gguf":
+        return WeightSource(p, True)
+    raise FileNotFoundError(f"modelWeightPath {p} is neither a checkpoint directory nor a .gguf file")
+
+
+def resolve_model_dir(weight_path: str = "") -> Path:
+    """A HF checkpoint directory for ``weight_path``, converting a GGUF file when needed."""
+    source = locate_weights(weight_path)
+    return convert_gguf(source.path) if source.is_gguf else source.path
 
 
 def gguf_source(weight_path: str = "") -> Path | None:
-    """The GGUF file that ``weight_path`` loads from (empty: the embedded default), or None.
+    """The GGUF file that ``weight_path`` loads from, or None (a HF folder, or nothing usable).
 
     It is derived from the setting, not from the cache: a converted folder is shared by
     every install whose GGUF has the same fingerprint, so the path that first filled it may
     belong to another, since deleted, environment.
     """
-    if not weight_path:
-        try:
-            return default_gguf_path()
-        except FileNotFoundError:
-            return None
-    p = Path(weight_path).expanduser()
-    return p if p.suffix == ".gguf" and p.is_file() else None
+    try:
+        source = locate_weights(weight_path)
+    except FileNotFoundError:
+        return None
+    return source.path if source.is_gguf else None
 
 
 CONVERTER_VERSION = 1  # in the folder's name: a change to _convert converts again
@@ -142,7 +153,17 @@ def convert_gguf(gguf: Path) -> Path:
     with cache_lock(target.name):
         if _converted(target):  # another instance converted it while this one waited
             return target
+        _remove_leftovers(target)
         return _convert(gguf, target)
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Remove the temp folders of conversions into ``target`` that died (killed, or out of
+    disk) before renaming theirs. Called under the target's lock, so none is in progress."""
+    for tmp in target.parent.glob(f"{target.name}.*"):
+        if tmp.is_dir():
+            log.info("removing %s, left by a conversion that did not finish", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _converted(target: Path) -> bool:
@@ -162,16 +183,20 @@ def _convert(gguf: Path, target: Path) -> Path:
     fresh.tie_weights()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    fresh.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    gen = tmp / "generation_config.json"
-    if gen.is_file():  # GGUF carries no sampling defaults; keep only token ids
-        data = json.loads(gen.read_text())
-        gen.write_text(json.dumps({k: v for k, v in data.items() if k.endswith("token_id")}, indent=2))
-    (tmp / ".complete").write_text(str(gguf))
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        gen = tmp / "generation_config.json"
+        if gen.is_file():  # GGUF carries no sampling defaults; keep only token ids
+            data = json.loads(gen.read_text())
+            gen.write_text(json.dumps({k: v for k, v in data.items() if k.endswith("token_id")}, indent=2))
+        (tmp / ".complete").write_text(str(gguf))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     log.info("conversion done: %s", target)
     return target
 
