@@ -49,6 +49,22 @@ def test_another_shape_or_thread_count_is_measured_on_its_own(cache):
     assert len(json.loads((cache / dtype_probe.VERDICTS).read_text())) == 3
 
 
+def test_only_the_newest_verdicts_are_kept(cache):
+    """Keys change with each kernel build, torch release and thread count: the file keeps
+    the newest ``MAX_VERDICTS`` (entries without a time count as oldest) and the new one."""
+    key = dtype_probe.machine_key(64, 128)
+    old = {f"old machine {i}": {"dtype": "float32", "measured_at": 1000 + i}
+           for i in range(dtype_probe.MAX_VERDICTS)}
+    old["from before the time stamps"] = {"dtype": "bfloat16"}
+    (cache / dtype_probe.VERDICTS).write_text(json.dumps(old))
+    select_dtype("auto", torch.device("cpu"), 64, 128)
+    kept = json.loads((cache / dtype_probe.VERDICTS).read_text())
+    assert len(kept) == dtype_probe.MAX_VERDICTS
+    assert key in kept and kept[key]["measured_at"] >= time.time() - 60
+    assert "from before the time stamps" not in kept and "old machine 0" not in kept
+    assert f"old machine {dtype_probe.MAX_VERDICTS - 1}" in kept
+
+
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"%s": {"dtype": "int8"}}'])
 def test_an_unreadable_verdict_is_measured_again(cache, content):
     key = dtype_probe.machine_key(64, 128)

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 VERDICTS = "dtype-auto.json"
 PROBE_VERSION = 3  # in the key: a verdict of an older probe is measured again
+MAX_VERDICTS = 32  # the newest kept: keys change with every kernel build, torch release and thread count
 _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -53,8 +54,9 @@ def cpu_dtype(hidden: int, inter: int, fused: bool = False) -> torch.dtype:
             best, timings = _measure(hidden, inter, fused)
             verdicts[key] = {"dtype": str(best).removeprefix("torch."),
                              "fp32_ms": round(timings[torch.float32] * 1e3, 3),
-                             "bf16_ms": round(timings[torch.bfloat16] * 1e3, 3)}
-            _write(path, verdicts)
+                             "bf16_ms": round(timings[torch.bfloat16] * 1e3, 3),
+                             "measured_at": round(time.time())}
+            _write(path, _newest(verdicts))
             log.info("dtype auto: kept in %s", path)
             return best
     except OSError as exc:  # a read-only cache: measure, and keep nothing
@@ -140,6 +142,15 @@ def _read(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _newest(verdicts: dict, keep: int = MAX_VERDICTS) -> dict:
+    """The ``keep`` most recently measured verdicts (entries written before ``measured_at``
+    existed count as oldest)."""
+    def when(item) -> float:
+        value = item[1].get("measured_at") if isinstance(item[1], dict) else None
+        return value if isinstance(value, (int, float)) else 0
+    return dict(sorted(verdicts.items(), key=when, reverse=True)[:keep])
 
 
 def _write(path: Path, verdicts: dict) -> None:
