@@ -37,7 +37,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         await triton.close()
 
     app = FastAPI(title="MindIE Server API on Triton", version="0.1.0", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.admission = admission
     app.state.settings = settings
     app.include_router(completions.router)

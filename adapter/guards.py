@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 
-INFERENCE_PATHS = ("/v1/completions", "/infer")
+INFERENCE_PATHS = ("/v1/completions", "/infer", "/infer_token")  # /infer_token: the same handler as /infer
 OPEN_PATHS = ("/v2/health/live",)
 
 

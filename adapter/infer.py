@@ -35,6 +35,7 @@ def details(plan: GenerationPlan, reason: str, tokens: int, seed: int) -> dict |
 @router.post("/infer", response_model=InferResponse, openapi_extra=request_body(InferRequest),
              responses=responses(InferStreamEvent, "Each event is `data: ` + one InferStreamEvent + a blank "
                                  "line; the last one carries generated_text, and there is no `[DONE]`."))
+@router.post("/infer_token", include_in_schema=False)  # MindIE registers the same handler under both paths
 async def infer(request: Request):
     svc: Service = request.app.state.service
     plan, req_id = await svc.begin(request, parse_infer_request)

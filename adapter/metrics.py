@@ -9,6 +9,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from adapter.guards import INFERENCE_PATHS
+
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter("mindie_adapter_requests", "HTTP requests by route and status",
@@ -23,7 +25,7 @@ TTFT = Histogram("mindie_adapter_time_to_first_token_seconds", "request arrival 
 TASKS = Gauge("mindie_adapter_asyncio_tasks", "asyncio tasks alive in the event loop", registry=REGISTRY)
 ProcessCollector(registry=REGISTRY)
 
-ROUTES = ("/v1/completions", "/infer")
+ROUTES = INFERENCE_PATHS
 
 
 class MetricsMiddleware:

@@ -116,6 +116,23 @@ def test_models_and_health(client):
 def test_unknown_route_is_empty_404(client):
     r = client.get("/v1/chat/unknown")
     assert r.status_code == 404 and r.content == b""
+    # a trailing slash is another path, not a redirect (Starlette's default answered 307)
+    for method, path in (("POST", "/v1/completions/"), ("POST", "/infer/"), ("GET", "/v1/models/"),
+                         ("GET", "/health/")):
+        r = client.request(method, path, json={})
+        assert (r.status_code, r.content) == (404, b""), path
+
+
+def test_infer_token_is_the_infer_handler(client):
+    """Spec §1.1/§3.1: ``POST /infer_token`` is served by the same handler as ``/infer``."""
+    body = {"input_id": [1, 504, 3458, 314], "parameters": {"max_new_tokens": 3, "do_sample": False,
+                                                            "details": True, "seed": 7}}
+    a = client.post("/infer", json=body)
+    b = client.post("/infer_token", json=body)
+    assert a.status_code == b.status_code == 200
+    assert a.json() == b.json() and b.json()["details"]["generated_tokens"] == 3
+    bad = client.post("/infer_token", json={"inputs": "x", "parameters": {"temperature": -1}})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "Input Validation Error"
 
 
 def test_concurrent_requests_batch_together(stack):

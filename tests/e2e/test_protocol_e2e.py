@@ -74,6 +74,19 @@ def test_beam_search_non_stream_and_pseudo_stream(client):
     assert [c["text"] for c in streamed["choices"]] == [c["text"] for c in body["choices"]]
 
 
+def test_beam_search_top_logprobs_list_the_alternatives(client):
+    """Spec §2.9: up to k+1 entries a position, the token first, beam search too (it used to
+    list the chosen token alone)."""
+    req = dict(BASE, use_beam_search=True, n=2, temperature=1.0, logprobs=2)
+    for body in (client.post("/v1/completions", json=req).json(),
+                 json.loads(events(client.post("/v1/completions", json=dict(req, stream=True)).content)[0])):
+        for choice in body["choices"]:
+            lp = choice["logprobs"]
+            assert len(lp["tokens"]) == len(lp["top_logprobs"]) > 0
+            for tok, top in zip(lp["tokens"], lp["top_logprobs"]):
+                assert next(iter(top)) == tok and 2 <= len(top) <= 3
+
+
 def test_logprobs_shape(client):
     body = client.post("/v1/completions", json=dict(BASE, logprobs=2, temperature=0)).json()
     lp = body["choices"][0]["logprobs"]

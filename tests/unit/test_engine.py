@@ -233,6 +233,31 @@ def test_beam_search_returns_n_ranked_beams(engine):
     assert engine.blocks.num_free > 0
 
 
+def test_beam_search_logprobs_carry_the_top_alternatives(engine):
+    """Spec §2.9: with logprobs k every position lists the token and the k most likely ones,
+    beam search included; at the first position every beam shares the prompt's distribution,
+    which greedy decoding reports too."""
+    prompt = "The best way to learn is"
+    r = Run(engine, prompt, stream=False, max_tokens=4, use_beam_search=True, n=2, temperature=0,
+            logprobs=3).wait()
+    finals = sorted(r.finals().values(), key=lambda o: o.index)
+    greedy = Run(engine, prompt, stream=False, max_tokens=1, temperature=0, logprobs=3).wait().outputs[-1]
+    want = greedy.logprobs[0]["top"]
+    for o in finals:
+        assert len(o.logprobs) == o.completion_tokens
+        for entry in o.logprobs:
+            top = entry["top"]
+            assert len(top) == 3
+            assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+            assert entry["logprob"] <= top[0][1] + 1e-6
+        first = o.logprobs[0]["top"]
+        assert [t for t, _ in first] == [t for t, _ in want]
+        assert [lp for _, lp in first] == pytest.approx([lp for _, lp in want], abs=1e-3)
+    plain = Run(engine, prompt, stream=False, max_tokens=2, use_beam_search=True, n=2, temperature=0,
+                logprobs=0).wait()
+    assert all(e["top"] == [] for o in plain.finals().values() for e in o.logprobs)
+
+
 def test_prefix_cache_does_not_change_greedy_output(engine):
     prompt = "In a quiet village by the sea, an old fisherman told stories every evening. One night he said"
     no_cache = build(kvCacheMemoryMiB=64, enablePrefixCache=False)

@@ -12,6 +12,7 @@ import torch
 
 from . import beam as beam_search
 from . import contract
+from .outputs import logprob_entry
 from .sequence import Request, Sequence, Status, StepOutput
 
 if TYPE_CHECKING:
@@ -39,11 +40,12 @@ class BeamSteps:
                                                       min(beam.num_computed, req.prompt_len))
         stop_ids = beams[0].stopper.stop_ids | beams[0].stopper.eos_ids
         live, ended = beam_search.select(logprobs, [b.cumulative_logprob for b in beams], width, stop_ids)
+        tops = _alternatives(logprobs, req.params.logprobs or 0)
         for c in ended:
             parent = beams[c.parent]
             req.hypotheses.append(beam_search.Hypothesis(
                 parent.output_ids + [c.token], parent.token_logprobs + [c.logprob], c.score,
-                contract.FINISH_STOP))
+                contract.FINISH_STOP, top=parent.token_tops + [tops[c.parent]]))
         targets: list[Sequence] = []
         used: set[int] = set()
         for c in live:  # fork every extra child before any parent takes its own token
@@ -59,6 +61,7 @@ class BeamSteps:
         for seq, c in zip(targets, live):
             seq.token_ids.append(c.token)
             seq.token_logprobs.append(c.logprob)
+            seq.token_tops.append(tops[c.parent])
             seq.cumulative_logprob = c.score
         req.sequences = [s for s in req.sequences if not s.finished] + [t for t in targets
                                                                           if t not in req.sequences]
@@ -69,7 +72,8 @@ class BeamSteps:
             if out_of_room or len(req.hypotheses) < width:
                 for t in targets:
                     req.hypotheses.append(beam_search.Hypothesis(
-                        t.output_ids, t.token_logprobs, t.cumulative_logprob, contract.FINISH_LENGTH))
+                        t.output_ids, t.token_logprobs, t.cumulative_logprob, contract.FINISH_LENGTH,
+                        top=list(t.token_tops)))
             for t in targets:
                 self._retire(t)
             self._emit(req)
@@ -82,6 +86,7 @@ class BeamSteps:
         child.status = Status.RUNNING
         child.cumulative_logprob = parent.cumulative_logprob
         child.token_logprobs = list(parent.token_logprobs)
+        child.token_tops = list(parent.token_tops)
         return child
 
     def _retire(self, seq: Sequence) -> None:
@@ -100,8 +105,9 @@ class BeamSteps:
             text_ids = ids[:-1] if h.finish_reason == contract.FINISH_STOP else ids
             entries = None
             if req.params.logprobs is not None:
-                entries = [{"token": self.engine.token_text(t, skip), "logprob": lp,
-                            "top": []} for t, lp in zip(ids, h.logprobs)]
+                tops = h.top or [[] for _ in ids]
+                entries = [logprob_entry(self.engine.token_text, t, lp, top, skip)
+                           for t, lp, top in zip(ids, h.logprobs, tops)]
             outputs.append(StepOutput(
                 index=i, text=self.engine.tokenizer.decode(text_ids, skip_special_tokens=skip), token_ids=list(ids),
                 finish_reason=h.finish_reason, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
@@ -110,3 +116,12 @@ class BeamSteps:
                 final=i == len(ranked) - 1))
         for out in outputs:
             req.emit(out)
+
+
+def _alternatives(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Each beam's ``k`` most likely next tokens and their logprobs, best first (empty lists
+    when ``k`` is 0): the ``top_logprobs`` of the token its children take at this position."""
+    if k <= 0:
+        return [[] for _ in range(logprobs.shape[0])]
+    values, ids = torch.topk(logprobs.float(), min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]

@@ -71,6 +71,7 @@ class Sequence:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[dict] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)  # beam search keeps its own history
+    token_tops: list[list] = field(default_factory=list)  # beam search: each token's top alternatives
 
     @property
     def prompt_len(self) -> int:
