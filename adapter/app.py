@@ -13,7 +13,7 @@ from llm_engine.config import Settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapter import completions, infer, openapi
+from adapter import completions, infer, management, openapi
 from adapter.errors import MindIEError, error_body
 from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
 from adapter.metrics import REGISTRY, TASKS, MetricsMiddleware
@@ -42,6 +42,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     app.state.settings = settings
     app.include_router(completions.router)
     app.include_router(infer.router)
+    app.include_router(management.router)
     openapi.install(app, [m.modelName for m in settings.deploy.ModelConfig])
 
     @app.exception_handler(MindIEError)
@@ -64,34 +65,6 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         if exc.status_code in (404, 405):
             return Response(status_code=404)  # MindIE answers unknown routes with an empty 404
         return Response(status_code=exc.status_code)
-
-    async def ready(request: Request) -> bool:
-        return await request.app.state.service.triton.ready()
-
-    @app.get("/health", include_in_schema=False)
-    async def health(request: Request):
-        if admission.stopping:
-            return JSONResponse({"error": "The service has been stopped", "error_type": "Service Unavailable"},
-                                status_code=503)
-        return Response(status_code=200 if await ready(request) else 503)
-
-    @app.get("/v2/health/live", include_in_schema=False)
-    async def live():
-        return Response(status_code=200)
-
-    @app.get("/v2/health/ready", include_in_schema=False)
-    async def ready_route(request: Request):
-        if admission.stopping:
-            return JSONResponse({"message": "Service is stopping"}, status_code=503)
-        if await ready(request):
-            return Response(status_code=200)
-        return JSONResponse({"message": "Model is not ready"}, status_code=503)
-
-    @app.get("/v2/models/{model}/ready", include_in_schema=False)
-    async def model_ready(model: str, request: Request):
-        if model != settings.model.modelName:
-            return Response(status_code=404)
-        return await health(request)
 
     @app.get("/v1/models")
     async def models(request: Request):

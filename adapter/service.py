@@ -118,7 +118,19 @@ class Service:
     # -- per request -------------------------------------------------------------------
     def request_id(self, request: Request) -> str:
         given = request.headers.get("req-id")
-        return given if given else f"endpoint_common_{next(self._ids)}"
+        return given if given else self.next_request_id()
+
+    def next_request_id(self) -> str:
+        """MindIE's generated id (spec §1.8); the timed health probe draws from it too."""
+        return f"endpoint_common_{next(self._ids)}"
+
+    @property
+    def probe_token_id(self) -> int:
+        """The one-token prompt of the timed health probe."""
+        for tid in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(tid, int) and 0 <= tid < self.vocab_size:
+                return tid
+        return 0
 
     def sse_response(self, events: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
         """An SSE answer: MindIE's error framing once started, and the slow-reader bound."""

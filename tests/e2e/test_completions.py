@@ -123,6 +123,28 @@ def test_unknown_route_is_empty_404(client):
         assert (r.status_code, r.content) == (404, b""), path
 
 
+def test_timed_health_probe_and_static_config(client, stack):
+    """Spec §4: ``/health/timed[-N]`` runs a one-token probe (N in [1, 600]); ``/v1/config``."""
+    for path in ("/health/timed", "/health/timed-5", "/health/timed-600"):
+        r = client.get(path)
+        assert (r.status_code, r.json()) == (200, {"status": "healthy"}), path
+    for path, message in (("/health/timed-0", "Wait time should be in range of [1, 600], input is not valid"),
+                          ("/health/timed-601", "Wait time should be in range of [1, 600], input is not valid"),
+                          ("/health/timed-1000", "Max wait time is 600, input is invalid or too long")):
+        r = client.get(path)
+        assert r.status_code == 404 and r.json() == {"error": message, "error_type": "NotFoundError"}, path
+    assert (client.get("/health/timed-x").status_code, client.get("/health/timed-x").content) == (404, b"")
+    cfg = client.get("/v1/config")
+    assert cfg.status_code == 200
+    body = cfg.json()
+    assert list(body) == ["modelName", "maxSeqLen", "npuMemSize", "cpuMemSize", "worldSize", "maxOutputLen",
+                          "cacheBlockSize"]
+    sched, deploy = stack.settings.schedule, stack.settings.deploy
+    assert body == {"modelName": MODEL_NAME, "maxSeqLen": deploy.maxSeqLen,
+                    "npuMemSize": sched.kvCacheMemoryMiB / 1024, "cpuMemSize": 0, "worldSize": 1,
+                    "maxOutputLen": sched.maxIterTimes, "cacheBlockSize": sched.cacheBlockSize}
+
+
 def test_infer_token_is_the_infer_handler(client):
     """Spec §1.1/§3.1: ``POST /infer_token`` is served by the same handler as ``/infer``."""
     body = {"input_id": [1, 504, 3458, 314], "parameters": {"max_new_tokens": 3, "do_sample": False,

@@ -353,3 +353,41 @@ def test_the_test_run_picks_ports_no_other_server_holds():
         other.listen()
         assert not _ports_free(base)
         assert int(_pick_port_base()) != base
+
+
+def test_the_timed_health_probe_reports_a_hang_an_error_and_a_token():
+    """``/health/timed-N``: one token through Triton within N seconds, else MindIE's 500 text."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from adapter import management
+    from adapter.triton import Chunk, TritonError
+
+    def chunk(tokens: int) -> Chunk:
+        return Chunk(index=0, text="", token_ids=[], finish_reason="length", prompt_tokens=1, cached_tokens=0,
+                     completion_tokens=tokens, cumulative_logprob=0.0, seed=0, batch_size=[], queue_wait_us=[],
+                     logprobs=None, final=True)
+
+    seen = []
+
+    def service(generate):
+        ids = iter(range(100))
+        return SimpleNamespace(triton=SimpleNamespace(generate=generate), probe_token_id=1,
+                               next_request_id=lambda: f"endpoint_common_{next(ids)}")
+
+    async def one(request_id, sampling, **kw):
+        seen.append((request_id, sampling, kw["prompt_ids"]))
+        yield chunk(1)
+
+    async def hang(request_id, sampling, **kw):
+        await asyncio.sleep(30)
+        yield chunk(1)
+
+    async def fail(request_id, sampling, **kw):
+        raise TritonError(500, "the model is gone")
+        yield
+
+    assert asyncio.run(management.probe(service(one), 5)) is None
+    assert seen == [("endpoint_common_0", {"max_tokens": 1, "temperature": 0, "ignore_eos": True}, [1])]
+    assert asyncio.run(management.probe(service(hang), 0.2)) == "Health probe timed out after 0.2 s"
+    assert asyncio.run(management.probe(service(fail), 5)) == "Health probe failed: the model is gone"
