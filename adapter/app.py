@@ -13,7 +13,7 @@ from llm_engine.config import Settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapter import completions, infer, management, openapi
+from adapter import completions, infer, management, openapi, stop_infer
 from adapter.errors import MindIEError, error_body
 from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
 from adapter.metrics import REGISTRY, TASKS, MetricsMiddleware
@@ -43,6 +43,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(infer.router)
     app.include_router(management.router)
+    app.include_router(stop_infer.router)
     openapi.install(app, [m.modelName for m in settings.deploy.ModelConfig])
 
     @app.exception_handler(MindIEError)

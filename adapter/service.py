@@ -4,6 +4,7 @@ the Triton call with MindIE's timeouts, and the mapping of engine errors to Mind
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -114,6 +115,7 @@ class Service:
         self.started = int(time.time())
         self._ids = itertools.count()
         self.stopping = False
+        self.running: collections.Counter[str] = collections.Counter()  # request id -> generations in flight
 
     # -- per request -------------------------------------------------------------------
     def request_id(self, request: Request) -> str:
@@ -205,6 +207,7 @@ class Service:
         sampling.pop("timeout", None)  # deadlines are enforced here, per MindIE's rules
         gen = self.triton.generate(request_id, sampling, prompt_ids=plan.prompt_ids,
                                    prompt_text=plan.prompt_text, stream=stream, outputs=wanted_outputs(plan))
+        self.running[request_id] += 1  # what stopInfer can find
         try:
             while True:
                 now = time.monotonic()
@@ -232,6 +235,9 @@ class Service:
                 if chunk.final:
                     return
         finally:
+            self.running[request_id] -= 1
+            if self.running[request_id] <= 0:
+                del self.running[request_id]
             await gen.aclose()
 
 

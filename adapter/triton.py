@@ -243,6 +243,28 @@ class TritonClient:
             if not finished:
                 call.cancel()
 
+    async def stop(self, request_id: str) -> None:
+        """End the model's running requests that have ``request_id`` (the ``stop_request_id``
+        control call; they finish as ``cancelled`` with what they generated)."""
+        stop = _input("stop_request_id", np.array([[request_id.encode("utf-8", "surrogatepass")]], dtype=object),
+                      "BYTES")
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": [stop], "request_id": f"stop:{request_id}"[:255]}
+
+        try:
+            call = self._get().stream_infer(requests())
+            async for _, error in call:
+                self._end_quietly(call)
+                if error is not None:
+                    status, message = parse_error(str(error.message() if hasattr(error, "message") else error))
+                    raise TritonError(status, message)
+                return
+        except (InferenceServerException, grpc.RpcError) as exc:
+            self.invalidate()
+            raise TritonUnavailable(f"Triton is unavailable: {_short(exc)}") from exc
+        raise TritonUnavailable("the model stream ended without a final response")
+
     def _end_quietly(self, call) -> None:
         """Read a finished request's stream to its end in the background.
 

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from llm_engine import contract
+from cancel_flags import CancelFlags
 from llm_engine.config import load_settings
 from llm_engine.cpu_cores import instance_count, pin_current_thread
 from llm_engine.errors import EngineError, InvalidParameter
@@ -69,7 +69,7 @@ class TritonPythonModel:
         if self.engine.cores:  # this thread and the ones it starts below stay off the engine's cores
             pin_current_thread(self.engine.cores.rest, "the Python stub's other threads")
         self.max_n = settings.schedule.maxN
-        self._cancel_flags = contract.cancel_flag_dir()
+        self._flags = CancelFlags()
         # One sender thread: the Python backend's response senders are not safe to use
         # from several threads at once (measured: concurrent send() crashed tritonserver).
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,6 +109,10 @@ class TritonPythonModel:
         return None
 
     def _submit(self, request, sender) -> None:
+        stop_id = _scalar(request, "stop_request_id")
+        if stop_id is not None:
+            self._stop(stop_id, sender)
+            return
         prompt_ids = self._prompt_ids(request)
         raw = _scalar(request, "sampling_parameters")
         params = parse_sampling_parameters(raw, max_n=self.max_n)
@@ -126,7 +130,7 @@ class TritonPythonModel:
         # From here on only the sender thread touches this sender: it polls it for a
         # cancel until it has sent the FINAL, and never after (querying a finished
         # sender crashed tritonserver).
-        self._outbox.put((sender, _Watch(self._cancel_check(req_id, sender), cancelled), 0.0, wanted))
+        self._outbox.put((sender, _Watch(sender.is_cancelled, cancelled, req_id, time.time()), 0.0, wanted))
         try:
             self.engine.submit(req)
         except EngineError as exc:
@@ -134,12 +138,16 @@ class TritonPythonModel:
             return
         self.metrics.on_request(len(prompt_ids))
 
-    def _cancel_check(self, req_id: str, sender):
-        """The client's cancel, and for llm_unary's BLS calls also the flag file it creates."""
-        if not contract.CANCELLABLE_ID.fullmatch(req_id):
-            return sender.is_cancelled
-        flag = os.path.join(self._cancel_flags, req_id)
-        return lambda: sender.is_cancelled() or os.path.exists(flag)
+    def _stop(self, raw, sender) -> None:
+        """MindIE's stopInfer: the running requests with this id end as cancelled, with what
+        they generated, on whichever instance runs them (:mod:`cancel_flags`); this call's
+        one response is final and empty."""
+        stop_id = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        if not stop_id:
+            raise InvalidParameter("stop_request_id must not be empty")
+        self._flags.raise_stop(stop_id)
+        log.info("stop requested for request id %r", stop_id)
+        self._outbox.put((sender, _STOPPED, 0.0, frozenset()))
 
     def _prompt_ids(self, request) -> list[int]:
         ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
@@ -176,7 +184,7 @@ class TritonPythonModel:
             if item:
                 self._handle(item, watched, failed)
             if time.monotonic() >= next_poll:
-                _poll_cancels(watched)
+                _poll_cancels(watched, self._flags)
                 next_poll = time.monotonic() + CANCEL_POLL_SECONDS
 
     def _handle(self, item: tuple, watched: dict[int, _Watch], failed: dict[int, object]) -> None:
@@ -192,6 +200,9 @@ class TritonPythonModel:
         try:
             if isinstance(out, _Watch):
                 watched[key] = out
+                return
+            if out is _STOPPED:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                 return
             if isinstance(out, Exception):
                 watched.pop(key, None)
@@ -247,21 +258,26 @@ def _exit_now() -> None:
 
 
 class _Watch:
-    """A running request's cancel check (an IPC to Triton) and the flag the engine reads."""
+    """A running request's cancel check (an IPC to Triton), the flag the engine reads, and
+    what the cancel flags are matched against: its id and its ``time.time()`` at arrival."""
 
-    __slots__ = ("check", "cancelled")
+    __slots__ = ("check", "cancelled", "request_id", "arrival")
 
-    def __init__(self, check, cancelled: threading.Event):
-        self.check, self.cancelled = check, cancelled
+    def __init__(self, check, cancelled: threading.Event, request_id: str, arrival: float):
+        self.check, self.cancelled, self.request_id, self.arrival = check, cancelled, request_id, arrival
 
 
-def _poll_cancels(watched: dict[int, _Watch]) -> None:
+_STOPPED = object()  # the outbox item that answers a stop_request_id call
+
+
+def _poll_cancels(watched: dict[int, _Watch], flags: CancelFlags) -> None:
+    flags.refresh()
     for key, watch in list(watched.items()):
         try:
             cancelled = watch.check()
         except Exception:  # the request is gone on Triton's side
             cancelled = True
-        if cancelled:
+        if cancelled or flags.cancelled(watch.request_id, watch.arrival):
             watch.cancelled.set()
             del watched[key]  # the engine ends it; its FINAL still comes through the outbox
 
