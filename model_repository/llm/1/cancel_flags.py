@@ -9,7 +9,8 @@ Two writers use them:
   cancelled, on whichever instance runs them.
 
 The sender thread of each instance reads the folder at its cancel poll, and only when its
-modification time changed, so a poll costs one ``stat`` while no flag is raised.
+modification time changed (or changed within the last second), so a poll costs one
+``stat`` while no flag is raised.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ log = logging.getLogger("llm_engine.model")
 
 STOP_PREFIX = "stop-"
 STOP_FLAG_SECONDS = 60.0  # a stop flag outlives every poll of every instance by far, then it goes
+RACY_NS = 1_000_000_000
 
 
 def stop_flag_name(request_id: str) -> str:
@@ -56,7 +58,10 @@ class CancelFlags:
         except OSError:
             self._seen_mtime, self._bls, self._stops = None, set(), {}
             return
-        if mtime == self._seen_mtime:
+        # File times come from a coarse clock (a few ms): a flag written in the same tick as
+        # the last read leaves the time unchanged, so a folder changed within the last
+        # second is read again at every poll (as git does with racily clean files).
+        if mtime == self._seen_mtime and time.time_ns() - mtime > RACY_NS:
             return
         self._seen_mtime = mtime
         bls, stops = set(), {}
