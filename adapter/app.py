@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -10,13 +9,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from llm_engine.config import Settings
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapter import completions, infer, management, openapi, stop_infer
+from adapter import completions, infer, management, mindie_metrics, openapi, stop_infer
 from adapter.errors import MindIEError, error_body
 from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
-from adapter.metrics import REGISTRY, TASKS, MetricsMiddleware
+from adapter.metrics import MetricsMiddleware
 from adapter.service import ClientGone, Service
 from adapter.triton import TritonClient
 
@@ -44,6 +42,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     app.include_router(infer.router)
     app.include_router(management.router)
     app.include_router(stop_infer.router)
+    app.include_router(mindie_metrics.router)
     openapi.install(app, [m.modelName for m in settings.deploy.ModelConfig])
 
     @app.exception_handler(MindIEError)
@@ -81,11 +80,6 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
             return JSONResponse({"error": f"Model {model} not found.", "error_type": "NotFoundError"},
                                 status_code=404)
         return {"id": svc.model_name, "object": "model", "created": svc.started, "owned_by": "MindIE Server"}
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics():
-        TASKS.set(len(asyncio.all_tasks()))
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     srv = settings.server
     app.add_middleware(Admission, state=admission, limit=srv.maxLinkNum)

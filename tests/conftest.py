@@ -44,6 +44,7 @@ def _pick_port_base() -> str:
 
 
 os.environ.setdefault("MINDIE_TEST_PORT_BASE", _pick_port_base())
+os.environ["MIES_SERVICE_MONITOR_MODE"] = "1"  # /metrics answers only with it, as in MindIE (the stacks inherit it)
 
 
 def _free_port_base() -> int:

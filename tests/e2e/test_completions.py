@@ -194,3 +194,33 @@ def test_latency_metrics_of_a_non_stream_request(stack):
     assert d[f"{ttft}_count"] == 1 and d[f"{tpot}_count"] == 1, d
     assert 0 < d[f"{ttft}_sum"] < latency / 2, (d, latency)  # the first of 24 tokens came early
     assert 0 < d[f"{tpot}_sum"] and 23 * d[f"{tpot}_sum"] < latency, (d, latency)
+
+
+def test_metrics_carry_mindie_names_from_the_engine(client, stack):
+    """Spec §4: ``/metrics`` has MindIE's names with ``model_name`` (the engine's counts, relayed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.conftest import wait_for
+
+    def values() -> dict:
+        text = client.get("/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("model_name") == MODEL_NAME}
+
+    before = values()
+    for name in ("request_received_total", "request_success_total", "request_failed_total", "num_requests_running",
+                 "num_requests_waiting", "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total",
+                 "npu_cache_usage_perc"):
+        assert name in before, name
+    assert client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3,
+                                                "ignore_eos": True}).status_code == 200
+
+    def moved() -> bool:  # counters reach Triton a few times a second
+        after = values()
+        return (after["e2e_request_latency_seconds_count"] > before["e2e_request_latency_seconds_count"]
+                and after["request_received_total"] >= before["request_received_total"] + 1
+                and after["request_success_total"] >= before["request_success_total"] + 1
+                and after["generation_tokens_total"] >= before["generation_tokens_total"] + 3)
+
+    assert wait_for(moved, timeout=10)

@@ -1,8 +1,9 @@
 """Engine metrics exported through Triton's own /metrics (``pb_utils.MetricFamily``).
 
 Triton's request-duration metrics mislead for decoupled models, so the engine
-reports LLM-native ones: TTFT, time per output token, queue time, running and
-waiting sequences, KV-cache usage, tokens in and out, cancellations.
+reports LLM-native ones: TTFT, time per output token, queue time, end-to-end latency,
+running and waiting sequences, KV-cache usage, tokens in and out, cancellations and
+failures. The adapter's ``/metrics`` relays them under MindIE's names.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class EngineMetrics:
     METRICS = ("running", "waiting", "kv_usage", "batch", "steps", "preempt", "requests", "prompt_tokens",
-               "gen_tokens", "cancelled", "finished", "ttft", "tpot", "queue")
+               "gen_tokens", "cancelled", "finished", "failed", "ttft", "tpot", "queue", "e2e")
 
     def __init__(self, triton_model: str, served_name: str, instance: str = ""):
         labels = {"model": triton_model, "model_name": served_name, "instance": instance}
@@ -44,6 +45,7 @@ class EngineMetrics:
         self.cancelled = _family("llm_request_cancelled_total", "requests dropped on cancellation",
                                  C).Metric(labels)
         self.finished = _family("llm_request_success_total", "requests finished normally", C).Metric(labels)
+        self.failed = _family("llm_request_failed_total", "requests ended with an error", C).Metric(labels)
         if hist is not None:
             def h(name, doc):
                 return _family(name, doc, hist).Metric(labels, buckets=LATENCY_BUCKETS)
@@ -53,12 +55,14 @@ class EngineMetrics:
         self.ttft = h("llm_time_to_first_token_seconds", "arrival to first token")
         self.tpot = h("llm_time_per_output_token_seconds", "gap between output tokens")
         self.queue = h("llm_queue_time_seconds", "arrival to first scheduling")
+        self.e2e = h("llm_e2e_request_latency_seconds", "arrival to the last response")
         self._seq: dict[tuple[int, int], list] = {}  # (request, index) -> [first, last, tokens]
         self._preemptions = 0
         self._lock = threading.Lock()
         self._pending: Counter = Counter()
         self._counters = {"steps": self.steps, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                          "gen_tokens": self.gen_tokens, "cancelled": self.cancelled, "finished": self.finished}
+                          "gen_tokens": self.gen_tokens, "cancelled": self.cancelled, "finished": self.finished,
+                          "failed": self.failed}
         self._engine = None
         self._flusher: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -129,9 +133,12 @@ class EngineMetrics:
                 self._add("cancelled", 1)
             elif out.finish_reason in ("stop", "length"):
                 self._add("finished", 1)
+        if out.final:
+            self.e2e.observe(max(0.0, now - t0))
 
     def forget(self, request_key: int) -> None:
-        """Drop per-sequence state of a request that ended with an error."""
+        """A request ended with an error: count it, and drop its per-sequence state."""
+        self._add("failed", 1)
         for key in [k for k in self._seq if k[0] == request_key]:
             self._seq.pop(key, None)
 
