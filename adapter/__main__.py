@@ -18,6 +18,7 @@ import uvicorn
 from llm_engine.config import load_settings
 
 from adapter.app import create_app
+from adapter.planes import Listener, listeners
 
 log = logging.getLogger("adapter")
 
@@ -65,17 +66,36 @@ def main(argv: list[str] | None = None) -> None:
         ssl = {"ssl_certfile": srv.tlsCert, "ssl_keyfile": srv.tlsPk}
         if srv.tlsCaFile:
             ssl["ssl_ca_certs"] = srv.tlsCaFile
+    planes = listeners(srv)
     config = uvicorn.Config(
-        app, host=srv.ipAddress, port=srv.port, log_level="info", access_log=False,
+        app, host=planes[0].host, port=planes[0].port, log_level="info", access_log=False,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, http="h11",
         limit_concurrency=srv.maxLinkNum * 3, timeout_graceful_shutdown=5, **ssl,
     )
-    sock = config.bind_socket()  # accepted connections inherit these options
+    sockets = [_listen(listener, srv.streamWriteTimeout) for listener in planes]
+    for listener in planes:
+        log.info("listening on %s:%d for the %s plane(s)", listener.url_host, listener.port,
+                 ", ".join(sorted(listener.planes)))
+    DrainingServer(config, app.state.admission, srv.drainTimeout).run(sockets=sockets)
+
+
+def _listen(listener: Listener, write_timeout: float) -> socket.socket:
+    """A listening socket for ``listener``; accepted connections inherit its options."""
+    family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     # a peer that acknowledges nothing (or keeps a zero window) this long is disconnected by
     # the kernel; this frees the connection of a stalled stream that the adapter gave up on
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(srv.streamWriteTimeout * 1000))
-    DrainingServer(config, app.state.admission, srv.drainTimeout).run(sockets=[sock])
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(write_timeout * 1000))
+    try:
+        sock.bind((listener.host, listener.port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"cannot listen on {listener.url_host}:{listener.port}: {exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from adapter import completions, infer, management, mindie_metrics, openapi, sto
 from adapter.errors import MindIEError, error_body
 from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
 from adapter.metrics import MetricsMiddleware
+from adapter.planes import PlaneFilter, listeners
 from adapter.service import ClientGone, Service
 from adapter.triton import TritonClient
 
@@ -87,4 +88,5 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     app.add_middleware(ApiKey, key=srv.apiKey)
     app.add_middleware(HeaderLimit)
     app.add_middleware(MetricsMiddleware)
+    app.add_middleware(PlaneFilter, planes_by_port={listener.port: listener.planes for listener in listeners(srv)})
     return app

@@ -39,6 +39,7 @@ from llm_engine.cpu_cores import (
 )
 from llm_engine.weights import resolve_model_dir
 
+from adapter.planes import BUSINESS, MANAGEMENT, listener_for, listeners
 from adapter.tritonserver import (
     REPO_ROOT,
     llm_config,
@@ -148,7 +149,7 @@ class Supervisor:
         t, srv = self.settings.triton, self.settings.server
         ports = [(t.httpAddress, t.httpPort), (t.grpcAddress, t.grpcPort), (t.httpAddress, t.metricsPort)]
         if self.adapter is None or self.adapter.poll() is not None:
-            ports.append((srv.ipAddress, srv.port))
+            ports += [(listener.host, listener.port) for listener in listeners(srv)]
         for addr, port in ports:
             family = socket.AF_INET6 if ":" in addr else socket.AF_INET
             with socket.socket(family) as sock:
@@ -216,9 +217,12 @@ class Supervisor:
                                         preexec_fn=_child_setup(self.cores.rest if self.cores else None))
         srv = self.settings.server
         scheme = "https" if srv.httpsEnabled else "http"
-        base = f"{scheme}://{srv.ipAddress}:{srv.port}"
+        business, management = listener_for(srv, BUSINESS), listener_for(srv, MANAGEMENT)
+        base = f"{scheme}://{business.url_host}:{business.port}"
         log.info("adapter starting: send requests to %s/v1/completions and %s/infer", base, base)
-        print(f"\n  MindIE API ready at {base}  (POST /v1/completions, POST /infer; Ctrl-C stops)\n",
+        health = "" if management is business else \
+            f"; health on {scheme}://{management.url_host}:{management.port}"
+        print(f"\n  MindIE API ready at {base}  (POST /v1/completions, POST /infer{health}; Ctrl-C stops)\n",
               flush=True)
 
     @staticmethod

@@ -2,8 +2,9 @@
 
 Usage: healthcheck.py [PATH]   (default /v2/health/ready; 503 while Triton's model is not ready)
 
-Reads host, port, scheme and ``apiKey`` from the settings file ($MINDIE_TRITON_CONFIG),
-so a mounted config with another port or an API key keeps working. Standard library only: it runs every
+Reads the management listener (``managementIpAddress``/``managementPort``, else the
+business one), scheme and ``apiKey`` from the settings file ($MINDIE_TRITON_CONFIG),
+so a mounted config with other ports or an API key keeps working. Standard library only: it runs every
 few seconds and must stay cheap.
 """
 
@@ -18,6 +19,18 @@ import urllib.request
 DEFAULT_CONFIG = "/etc/mindie-triton/config.json"
 
 
+def management_listener(server: dict) -> tuple[str, int]:
+    """Where the health routes are (adapter/planes.py, in the standard library): the
+    business listener unless ``managementPort`` is set to another port."""
+    port = int(server.get("port") or 1025)
+    host = os.environ.get("MIES_CONTAINER_IP") or str(server.get("ipAddress") or "127.0.0.1")
+    management_port = int(server.get("managementPort") or port)
+    if management_port == port:
+        return host, port
+    return (os.environ.get("MIES_CONTAINER_MANAGEMENT_IP") or str(server.get("managementIpAddress") or host),
+            management_port)
+
+
 def main(argv: list[str]) -> int:
     path = argv[1] if len(argv) > 1 else "/v2/health/ready"
     server: dict = {}
@@ -26,12 +39,11 @@ def main(argv: list[str]) -> int:
             server = json.load(fh).get("ServerConfig", {}) or {}
     except (OSError, ValueError):
         pass  # no readable config: MindIE defaults
-    host = str(server.get("ipAddress") or "127.0.0.1")
+    host, port = management_listener(server)
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
-    port = int(server.get("port", 1025))
     context = None
     scheme = "http"
     if server.get("httpsEnabled"):

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 CONFIG_ENV = "MINDIE_TRITON_CONFIG"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,6 +34,11 @@ class ServerSection(_Section):
 
     ipAddress: str = "127.0.0.1"
     port: int = Field(1025, ge=1024, le=65535)
+    # MindIE's management plane (health, status) and metrics listener. Unset, they are the
+    # business listener (MindIE's defaults are 127.0.0.2, 1026 and 1027): one port serves all.
+    managementIpAddress: Optional[str] = None
+    managementPort: Optional[int] = Field(None, ge=1024, le=65535)
+    metricsPort: Optional[int] = Field(None, ge=1024, le=65535)
     httpsEnabled: bool = False
     tlsCert: str = ""
     tlsPk: str = ""
@@ -49,13 +54,15 @@ class ServerSection(_Section):
     streamWriteTimeout: float = Field(
         30.0, gt=0, description="seconds one SSE write may wait on a client that stopped reading")
 
-    @field_validator("ipAddress")
+    @field_validator("ipAddress", "managementIpAddress")
     @classmethod
-    def _ip(cls, value: str) -> str:
+    def _ip(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
         try:
             ipaddress.ip_address(value)
         except ValueError:
-            raise ValueError(f"ipAddress must be an IPv4 or IPv6 address, got {value!r}") from None
+            raise ValueError(f"{info.field_name} must be an IPv4 or IPv6 address, got {value!r}") from None
         return value
 
 
