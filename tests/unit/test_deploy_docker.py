@@ -9,6 +9,7 @@ check-jsonschema) it runs too; only those sub-checks skip when the tool is absen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -213,13 +214,13 @@ def test_container_config_validates():
     )
 
 
-def test_healthcheck_script(tmp_path):
-    status = {"code": 200}
+@contextlib.contextmanager
+def _answering(status_for):
+    """A local HTTP server whose GET answers ``status_for(path, headers)``; yields its port."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            code = status["code"] if self.path == "/v2/health/ready" else 404
-            self.send_response(code)
+            self.send_response(status_for(self.path, self.headers))
             self.send_header("Content-Length", "0")
             self.end_headers()
 
@@ -229,58 +230,42 @@ def test_healthcheck_script(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        cfg = json.loads(CONTAINER_CONFIG.read_text())
-        cfg["ServerConfig"]["port"] = server.server_address[1]
-        (tmp_path / "config.json").write_text(json.dumps(cfg))
-        env = {"MINDIE_TRITON_CONFIG": str(tmp_path / "config.json"), "PATH": "/usr/bin:/bin"}
-
-        def probe(*extra):
-            return subprocess.run(
-                [sys.executable, str(DOCKER / "healthcheck.py"), *extra],
-                env=env,
-                capture_output=True,
-                timeout=30,
-            ).returncode
-
-        assert probe("/v2/health/ready") == 0
-        status["code"] = 503
-        assert probe() == 1
-        assert probe("/nope") == 1
+        yield server.server_address[1]
     finally:
         server.shutdown()
         server.server_close()
-    assert probe() == 1  # nothing listening
+
+
+def _probe(tmp_path, port: int, *extra, **server_config) -> int:
+    cfg = json.loads(CONTAINER_CONFIG.read_text())
+    cfg["ServerConfig"].update(port=port, **server_config)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    env = {"MINDIE_TRITON_CONFIG": str(tmp_path / "config.json"), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, str(DOCKER / "healthcheck.py"), *extra], env=env,
+                          capture_output=True, timeout=30).returncode
+
+
+def test_healthcheck_script(tmp_path):
+    status = {"code": 200}
+    with _answering(lambda path, _: status["code"] if path == "/v2/health/ready" else 404) as port:
+        assert _probe(tmp_path, port, "/v2/health/ready") == 0
+        status["code"] = 503
+        assert _probe(tmp_path, port) == 1
+        assert _probe(tmp_path, port, "/nope") == 1
+    assert _probe(tmp_path, port) == 1  # nothing listening
 
 
 def test_healthcheck_sends_the_api_key_when_one_is_set(tmp_path):
     """With ``ServerConfig.apiKey`` set every route but liveness answers 401 without it."""
     seen = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            seen.append(self.headers.get("Authorization"))
-            self.send_response(200 if self.headers.get("Authorization") == "Bearer s3cret" else 401)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+    def status_for(path, headers):
+        seen.append(headers.get("Authorization"))
+        return 200 if headers.get("Authorization") == "Bearer s3cret" else 401
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        cfg = json.loads(CONTAINER_CONFIG.read_text())
-        cfg["ServerConfig"]["port"] = server.server_address[1]
-        for key, expected in (("s3cret", 0), (None, 1)):
-            cfg["ServerConfig"]["apiKey"] = key
-            (tmp_path / "config.json").write_text(json.dumps(cfg))
-            env = {"MINDIE_TRITON_CONFIG": str(tmp_path / "config.json"), "PATH": "/usr/bin:/bin"}
-            done = subprocess.run([sys.executable, str(DOCKER / "healthcheck.py")], env=env,
-                                  capture_output=True, timeout=30)
-            assert done.returncode == expected, done.stderr
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _answering(status_for) as port:
+        assert _probe(tmp_path, port, apiKey="s3cret") == 0
+        assert _probe(tmp_path, port, apiKey=None) == 1
     assert seen == ["Bearer s3cret", None]
 
 
