@@ -100,8 +100,13 @@ async def engine_metrics_text(url: str, model_name: str) -> bytes:
     except httpx.HTTPError as exc:
         log.warning("engine metrics not relayed: %s at %s", type(exc).__name__, url)
         return b""
+    try:
+        families = relay(response.text, model_name)
+    except ValueError as exc:  # not Prometheus text: the adapter's own metrics still go out
+        log.warning("engine metrics not relayed: unreadable metrics text at %s (%s)", url, exc)
+        return b""
     registry = CollectorRegistry()
-    registry.register(_Families(relay(response.text, model_name)))
+    registry.register(_Families(families))
     return generate_latest(registry)
 
 

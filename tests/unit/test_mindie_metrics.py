@@ -82,3 +82,25 @@ def test_metrics_need_the_monitor_switch(monkeypatch):
     monkeypatch.setenv("MIES_SERVICE_MONITOR_MODE", "1")
     r = client.get("/metrics")  # nothing listens on Triton's metrics port: the adapter's own still come
     assert r.status_code == 200 and "mindie_adapter_requests_in_flight" in r.text
+
+
+def test_unreadable_engine_metrics_leave_the_adapters_own(monkeypatch, caplog):
+    """Whatever Triton's metrics port answers, /metrics still serves the adapter's metrics."""
+    import asyncio
+
+    import httpx
+
+    from adapter import mindie_metrics
+
+    def handler(request):
+        return httpx.Response(200, text="this is { not prometheus text\n")
+
+    real = httpx.AsyncClient
+
+    class Client(real):
+        def __init__(self, **kw):
+            super().__init__(transport=httpx.MockTransport(handler), **kw)
+
+    monkeypatch.setattr(mindie_metrics.httpx, "AsyncClient", Client)
+    assert asyncio.run(mindie_metrics.engine_metrics_text("http://triton/metrics", "m")) == b""
+    assert "unreadable metrics text" in caplog.text
