@@ -220,7 +220,7 @@ class Supervisor:
         business, management = listener_for(srv, BUSINESS), listener_for(srv, MANAGEMENT)
         base = f"{scheme}://{business.url_host}:{business.port}"
         log.info("adapter starting: send requests to %s/v1/completions and %s/infer", base, base)
-        health = "" if management is business else \
+        health = "" if management == business else \
             f"; health on {scheme}://{management.url_host}:{management.port}"
         print(f"\n  MindIE API ready at {base}  (POST /v1/completions, POST /infer{health}; Ctrl-C stops)\n",
               flush=True)
