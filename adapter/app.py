@@ -28,7 +28,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         t = settings.triton
-        triton = TritonClient(f"{t.grpcAddress}:{t.grpcPort}", t.modelName)
+        triton = TritonClient(t.grpc_target, t.modelName)
         app.state.service = Service(settings, triton, tokenizer)
         log.info("adapter serving model %s through Triton gRPC %s:%s", settings.model.modelName,
                  t.grpcAddress, t.grpcPort)

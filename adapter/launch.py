@@ -133,7 +133,7 @@ class Supervisor:
         # No keep-alive: tritonserver waits out its whole exit timeout for an open HTTP
         # connection and then exits without unloading the model, orphaning the stubs.
         t = self.settings.triton
-        self._http = httpx.Client(base_url=f"http://{t.httpAddress}:{t.httpPort}", timeout=2,
+        self._http = httpx.Client(base_url=t.http_url, timeout=2,
                                   headers={"Connection": "close"})
 
     # -- processes ------------------------------------------------------------------

@@ -97,7 +97,7 @@ async def engine_metrics_text(url: str, model_name: str) -> bytes:
         async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT) as client:
             response = await client.get(url)
             response.raise_for_status()
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         log.warning("engine metrics not relayed: %s at %s", type(exc).__name__, url)
         return b""
     try:
@@ -117,7 +117,6 @@ async def metrics(request: Request):
                                     "error_type": "Incomplete Generation"}, separators=(",", ":")),
                         status_code=500, media_type="application/json")
     settings = request.app.state.settings
-    t = settings.triton
-    engine = await engine_metrics_text(f"http://{t.httpAddress}:{t.metricsPort}/metrics", settings.model.modelName)
+    engine = await engine_metrics_text(settings.triton.metrics_url, settings.model.modelName)
     TASKS.set(len(asyncio.all_tasks()))
     return Response(generate_latest(REGISTRY) + engine, media_type=CONTENT_TYPE_LATEST)

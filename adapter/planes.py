@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from llm_engine.config import ServerSection
+from llm_engine.config import ServerSection, url_host
 
 BUSINESS, MANAGEMENT, METRICS = "business", "management", "metrics"
 CONTAINER_IP_ENV = "MIES_CONTAINER_IP"  # overrides ipAddress (MindIE)
@@ -33,7 +33,7 @@ class Listener:
 
     @property
     def url_host(self) -> str:
-        return f"[{self.host}]" if ":" in self.host else self.host
+        return url_host(self.host)
 
 
 def listeners(srv: ServerSection) -> list[Listener]:

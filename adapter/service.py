@@ -115,7 +115,9 @@ class Service:
         self.started = int(time.time())
         self._ids = itertools.count()
         self.stopping = False
-        self.running: collections.Counter[str] = collections.Counter()  # request id -> generations in flight
+        # MindIE request id -> the Triton request ids of its generations in flight (what stopInfer stops)
+        self.running: dict[str, set[str]] = collections.defaultdict(set)
+        self._generations = itertools.count()
 
     # -- per request -------------------------------------------------------------------
     def request_id(self, request: Request) -> str:
@@ -205,9 +207,12 @@ class Service:
         whole = None if stream else start + min(srv.tokenTimeout, client_timeout or srv.tokenTimeout)
         sampling = dict(plan.sampling)
         sampling.pop("timeout", None)  # deadlines are enforced here, per MindIE's rules
-        gen = self.triton.generate(request_id, sampling, prompt_ids=plan.prompt_ids,
+        # each generation has its own Triton id (a client may reuse a MindIE id), so a stop
+        # reaches exactly the generations running when it was asked for
+        triton_id = f"{request_id}#{next(self._generations)}"
+        gen = self.triton.generate(triton_id, sampling, prompt_ids=plan.prompt_ids,
                                    prompt_text=plan.prompt_text, stream=stream, outputs=wanted_outputs(plan))
-        self.running[request_id] += 1  # what stopInfer can find
+        self.running[request_id].add(triton_id)
         try:
             while True:
                 now = time.monotonic()
@@ -235,9 +240,11 @@ class Service:
                 if chunk.final:
                     return
         finally:
-            self.running[request_id] -= 1
-            if self.running[request_id] <= 0:
-                del self.running[request_id]
+            ids = self.running.get(request_id)
+            if ids is not None:
+                ids.discard(triton_id)
+                if not ids:
+                    del self.running[request_id]
             await gen.aclose()
 
 

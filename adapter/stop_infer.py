@@ -2,7 +2,8 @@
 
 The body is ``{"id": "<request id>"}``: the id MindIE gives a request (its ``req-id``
 header, else ``endpoint_common_<n>``). Every request with that id that this adapter is
-running ends as if stopped by the engine, with what it generated so far
+running (each generation has a Triton request id of its own, ``<id>#<n>``, which the stop
+names) ends as if stopped by the engine, with what it generated so far
 (``finish_reason`` ``stop`` on ``/v1/completions``, ``stop_sequence`` on ``/infer``);
 the answer is 200 with the body echoed, or 404 ``RequestId is {id} not found.``
 """
@@ -37,10 +38,12 @@ async def stop_infer(model: str, request: Request):
     request_id = body.get("id")
     if not isinstance(request_id, str) or not request_id:
         raise validation_error("Parameter id must be a non-empty string")
-    if request_id not in svc.running:
+    generations = sorted(svc.running.get(request_id, ()))
+    if not generations:
         return _not_found(f"RequestId is {request_id} not found.")
     try:
-        await svc.triton.stop(request_id)
+        for triton_id in generations:
+            await svc.triton.stop(triton_id)
     except TritonError as exc:
         raise to_mindie(exc) from None
     return Response(compact(body), media_type="application/json")

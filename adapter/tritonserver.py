@@ -168,7 +168,7 @@ def load_llm(settings, model_repository: Path, admin_key: str, timeout: float) -
 
     t = settings.triton
     config = llm_config(Path(model_repository) / t.modelName, settings)
-    r = httpx.post(f"http://{t.httpAddress}:{t.httpPort}/v2/repository/models/{t.modelName}/load",
+    r = httpx.post(f"{t.http_url}/v2/repository/models/{t.modelName}/load",
                    json={"parameters": {"config": json.dumps(config)}}, headers={ADMIN_KEY_HEADER: admin_key},
                    timeout=timeout)
     if r.status_code != 200:

@@ -93,9 +93,9 @@ class Stack:
         scheme = "https" if srv.httpsEnabled else "http"
         self.url = f"{scheme}://{srv.ipAddress}:{srv.port}"
         t = self.settings.triton
-        self.grpc_url = f"{t.grpcAddress}:{t.grpcPort}"
-        self.triton_http = f"http://{t.httpAddress}:{t.httpPort}"
-        self.metrics_url = f"http://{t.httpAddress}:{t.metricsPort}/metrics"
+        self.grpc_url = t.grpc_target
+        self.triton_http = t.http_url
+        self.metrics_url = t.metrics_url
 
     def start(self) -> None:
         self.sup.start_triton(timeout=300)

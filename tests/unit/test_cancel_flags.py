@@ -5,20 +5,22 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 from cancel_flags import STOP_FLAG_SECONDS, CancelFlags, stop_flag_name
 
 
-def test_a_stop_ends_the_requests_that_arrived_before_it(tmp_path):
+def test_a_stop_ends_the_requests_with_its_id_for_a_while(tmp_path, monkeypatch):
     writer, reader = CancelFlags(str(tmp_path / "flags")), CancelFlags(str(tmp_path / "flags"))
     reader.refresh()  # no folder yet: nothing is cancelled
-    before = time.time()
-    assert not reader.cancelled("endpoint_common_3", before)
-    writer.raise_stop("endpoint_common_3")
-    after = time.time() + 1
+    assert not reader.cancelled("endpoint_common_3#0")
+    writer.raise_stop("endpoint_common_3#0")
     reader.refresh()
-    assert reader.cancelled("endpoint_common_3", before)
-    assert not reader.cancelled("endpoint_common_3", after)  # the same id, sent again after the stop
-    assert not reader.cancelled("endpoint_common_4", before)
+    # running now, or reaching its instance later (still in Triton's queue at the stop)
+    assert reader.cancelled("endpoint_common_3#0")
+    assert not reader.cancelled("endpoint_common_3#1") and not reader.cancelled("endpoint_common_4#0")
+    later = time.time() + STOP_FLAG_SECONDS + 1
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert not reader.cancelled("endpoint_common_3#0")  # the flag has expired
 
 
 def test_ids_never_become_paths(tmp_path):
@@ -33,7 +35,7 @@ def test_ids_never_become_paths(tmp_path):
 
 def test_llm_unary_flags_and_other_files(tmp_path):
     folder = tmp_path / "flags"
-    folder.mkdir()
+    folder.mkdir(mode=0o700)
     bls = "llm_unary-" + "ab" * 16
     (folder / bls).write_text("")
     (folder / "unrelated").write_text("")
@@ -41,9 +43,25 @@ def test_llm_unary_flags_and_other_files(tmp_path):
     (folder / stop_flag_name("broken")).write_text("not a time")
     flags = CancelFlags(str(folder))
     flags.refresh()
-    assert flags.cancelled(bls, time.time())
-    assert not flags.cancelled("unrelated", 0.0) and not flags.cancelled("r", 0.0)
-    assert not flags.cancelled("broken", 0.0)
+    assert flags.cancelled(bls)
+    assert not flags.cancelled("unrelated") and not flags.cancelled("r") and not flags.cancelled("broken")
+
+
+def test_a_folder_others_can_write_is_not_trusted(tmp_path):
+    """Flags planted by another local user would stop requests."""
+    folder = tmp_path / "flags"
+    folder.mkdir(mode=0o700)
+    CancelFlags(str(folder)).raise_stop("x")
+    os.chmod(folder, 0o777)
+    flags = CancelFlags(str(folder))
+    flags.refresh()
+    assert not flags.cancelled("x")
+    with pytest.raises(PermissionError):
+        flags.raise_stop("y")
+    os.chmod(folder, 0o700)
+    os.utime(folder)
+    flags.refresh()
+    assert flags.cancelled("x")
 
 
 def test_the_folder_is_read_again_only_when_it_changed(tmp_path, monkeypatch):
@@ -61,7 +79,21 @@ def test_the_folder_is_read_again_only_when_it_changed(tmp_path, monkeypatch):
     flags.raise_stop("b")  # a change: read again
     reads.clear()
     flags.refresh()
-    assert flags.cancelled("b", 0.0)
+    assert flags.cancelled("b")
+
+
+def test_a_failed_read_is_tried_again_at_the_next_poll(tmp_path, monkeypatch):
+    flags = CancelFlags(str(tmp_path / "flags"))
+    flags.raise_stop("a")
+    old = time.time() - 10
+    os.utime(flags.folder, (old, old))
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+    flags.refresh()
+    assert not flags.cancelled("a")
+    monkeypatch.setattr(os, "listdir", real)
+    flags.refresh()  # the folder's time did not change, but the last read failed
+    assert flags.cancelled("a")
 
 
 def test_a_flag_written_in_the_tick_of_the_last_read_is_not_missed(tmp_path):
@@ -74,7 +106,7 @@ def test_a_flag_written_in_the_tick_of_the_last_read_is_not_missed(tmp_path):
     CancelFlags(flags.folder).raise_stop("b")
     os.utime(flags.folder, ns=(stamp, stamp))  # as if it landed in the same tick
     flags.refresh()
-    assert flags.cancelled("b", 0.0)
+    assert flags.cancelled("b")
 
 
 def test_old_stop_flags_are_removed_by_the_next_stop(tmp_path):

@@ -82,7 +82,7 @@ def test_a_failed_send_cancels_the_request_and_ends_it_once(model):
     watched, failed = {}, {}
     sender = Sender(fail_on=(1,))
     cancelled = threading.Event()
-    m._handle((sender, module._Watch(lambda: False, cancelled, "r1", 0.0), 0.0, frozenset()), watched, failed)
+    m._handle((sender, module._Watch(lambda: False, cancelled, "r1"), 0.0, frozenset()), watched, failed)
     m._handle((sender, output(False, "a"), 0.0, frozenset()), watched, failed)
     assert [r.output_tensors[0].array.tolist() for r, _ in sender.sent] == [[[b"a"]]]
     m._handle((sender, output(False, "b"), 0.0, frozenset()), watched, failed)  # send() raises
@@ -101,7 +101,7 @@ def test_a_failed_last_send_leaves_nothing_behind(model):
     module, m = model
     watched, failed = {}, {}
     sender = Sender(fail_on=(0,))
-    m._handle((sender, module._Watch(lambda: False, threading.Event(), "r2", 0.0), 0.0, frozenset()), watched, failed)
+    m._handle((sender, module._Watch(lambda: False, threading.Event(), "r2"), 0.0, frozenset()), watched, failed)
     m._handle((sender, output(True), 0.0, frozenset()), watched, failed)
     assert not watched and not failed
     (error, flags), = sender.sent
@@ -113,31 +113,44 @@ def test_a_failed_last_send_leaves_nothing_behind(model):
 
 
 def test_a_stop_raises_a_flag_the_poll_turns_into_the_engines_cancel(model, tmp_path):
-    """stop_request_id: the call gets one empty FINAL; the running requests with that id
-    that arrived before it are cancelled at the next poll, others are not."""
-    import time
+    """stop_request_id: the call gets one empty FINAL, and the running request with that id
+    is cancelled at the next poll, the others are not."""
+    import queue
 
     from cancel_flags import CancelFlags
 
     module, m = model
     m._flags = CancelFlags(str(tmp_path / "flags"))
-    m._outbox = __import__("queue").SimpleQueue()
+    m._outbox = queue.SimpleQueue()
     watched, failed = {}, {}
-    target, other, late = threading.Event(), threading.Event(), threading.Event()
-    before = time.time()
-    for sender, event, rid, arrival in ((Sender(), target, "req-7", before), (Sender(), other, "req-8", before),
-                                        (Sender(), late, "req-7", before + 3600)):
-        m._handle((sender, module._Watch(lambda: False, event, rid, arrival), 0.0, frozenset()), watched, failed)
+    target, other = threading.Event(), threading.Event()
+    for sender, event, rid in ((Sender(), target, "req-7#0"), (Sender(), other, "req-7#1")):
+        m._handle((sender, module._Watch(lambda: False, event, rid), 0.0, frozenset()), watched, failed)
     control = Sender()
-    m._stop(b"req-7", control)
+    m._stop(b"req-7#0", control)
     m._handle(m._outbox.get_nowait(), watched, failed)
     (response, flags), = control.sent
     assert flags == FINAL and response.output_tensors == []
     module._poll_cancels(watched, m._flags)
-    assert target.is_set() and not other.is_set() and not late.is_set()
-    assert len(watched) == 2
+    assert target.is_set() and not other.is_set() and len(watched) == 1
+    assert not m.metrics.forgotten  # a control call is not a request: nothing counted
     with pytest.raises(module.InvalidParameter):
         m._stop(b"", Sender())
+
+
+def test_a_stop_whose_answer_fails_leaves_nothing_behind(model, tmp_path):
+    import queue
+
+    from cancel_flags import CancelFlags
+
+    module, m = model
+    m._flags = CancelFlags(str(tmp_path / "flags"))
+    m._outbox = queue.SimpleQueue()
+    watched, failed = {}, {}
+    control = Sender(fail_on=(0,))
+    m._stop(b"req-9#0", control)
+    m._handle(m._outbox.get_nowait(), watched, failed)
+    assert not watched and not failed and not control.sent
 
 
 def test_an_engine_error_is_sent_as_the_error_final(model):

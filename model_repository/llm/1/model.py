@@ -130,13 +130,12 @@ class TritonPythonModel:
         # From here on only the sender thread touches this sender: it polls it for a
         # cancel until it has sent the FINAL, and never after (querying a finished
         # sender crashed tritonserver).
-        self._outbox.put((sender, _Watch(sender.is_cancelled, cancelled, req_id, time.time()), 0.0, wanted))
+        self._outbox.put((sender, _Watch(sender.is_cancelled, cancelled, req_id), 0.0, wanted))
+        self.metrics.on_request(len(prompt_ids), id(sender))  # before its outputs can be sent
         try:
             self.engine.submit(req)
         except EngineError as exc:
             self._end_with_error(sender, exc)
-            return
-        self.metrics.on_request(len(prompt_ids))
 
     def _stop(self, raw, sender) -> None:
         """MindIE's stopInfer: the running requests with this id end as cancelled, with what
@@ -145,7 +144,10 @@ class TritonPythonModel:
         stop_id = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
         if not stop_id:
             raise InvalidParameter("stop_request_id must not be empty")
-        self._flags.raise_stop(stop_id)
+        try:
+            self._flags.raise_stop(stop_id)
+        except OSError as exc:
+            raise EngineError(f"could not stop request {stop_id!r}: {exc}") from None
         log.info("stop requested for request id %r", stop_id)
         self._outbox.put((sender, _STOPPED, 0.0, frozenset()))
 
@@ -192,7 +194,7 @@ class TritonPythonModel:
         still ran: the engine is dropping those, and what it still emits for them is not sent."""
         sender, out, t0, wanted = item
         key = id(sender)
-        last = isinstance(out, Exception) or (isinstance(out, StepOutput) and out.final)
+        last = isinstance(out, Exception) or out is _STOPPED or (isinstance(out, StepOutput) and out.final)
         if key in failed:
             if last:
                 del failed[key]
@@ -201,8 +203,11 @@ class TritonPythonModel:
             if isinstance(out, _Watch):
                 watched[key] = out
                 return
-            if out is _STOPPED:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+            if out is _STOPPED:  # a control call: nothing to count
+                try:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+                except Exception:
+                    log.exception("failed to answer a stop call")
                 return
             if isinstance(out, Exception):
                 watched.pop(key, None)
@@ -259,12 +264,12 @@ def _exit_now() -> None:
 
 class _Watch:
     """A running request's cancel check (an IPC to Triton), the flag the engine reads, and
-    what the cancel flags are matched against: its id and its ``time.time()`` at arrival."""
+    the id the cancel flags name."""
 
-    __slots__ = ("check", "cancelled", "request_id", "arrival")
+    __slots__ = ("check", "cancelled", "request_id")
 
-    def __init__(self, check, cancelled: threading.Event, request_id: str, arrival: float):
-        self.check, self.cancelled, self.request_id, self.arrival = check, cancelled, request_id, arrival
+    def __init__(self, check, cancelled: threading.Event, request_id: str):
+        self.check, self.cancelled, self.request_id = check, cancelled, request_id
 
 
 _STOPPED = object()  # the outbox item that answers a stop_request_id call
@@ -277,7 +282,7 @@ def _poll_cancels(watched: dict[int, _Watch], flags: CancelFlags) -> None:
             cancelled = watch.check()
         except Exception:  # the request is gone on Triton's side
             cancelled = True
-        if cancelled or flags.cancelled(watch.request_id, watch.arrival):
+        if cancelled or flags.cancelled(watch.request_id):
             watch.cancelled.set()
             del watched[key]  # the engine ends it; its FINAL still comes through the outbox
 

@@ -60,6 +60,7 @@ class EngineMetrics:
         self._preemptions = 0
         self._lock = threading.Lock()
         self._pending: Counter = Counter()
+        self._received: set[int] = set()  # requests accepted and not yet ended (sender ids)
         self._counters = {"steps": self.steps, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
                           "gen_tokens": self.gen_tokens, "cancelled": self.cancelled, "finished": self.finished,
                           "failed": self.failed}
@@ -97,7 +98,10 @@ class EngineMetrics:
         with self._lock:
             self._pending[name] += value
 
-    def on_request(self, prompt_tokens: int) -> None:
+    def on_request(self, prompt_tokens: int, request_key: int) -> None:
+        """A request the engine accepted; only such a request can later count as failed."""
+        with self._lock:
+            self._received.add(request_key)
         self._add("requests", 1)
         self._add("prompt_tokens", prompt_tokens)
 
@@ -135,10 +139,18 @@ class EngineMetrics:
                 self._add("finished", 1)
         if out.final:
             self.e2e.observe(max(0.0, now - t0))
+            with self._lock:
+                self._received.discard(request_key)
 
     def forget(self, request_key: int) -> None:
-        """A request ended with an error: count it, and drop its per-sequence state."""
-        self._add("failed", 1)
+        """A request ended with an error: count it if the engine had accepted it (a request
+        refused before, e.g. a prompt over the limit, was never received), and drop its
+        per-sequence state."""
+        with self._lock:
+            received = request_key in self._received
+            self._received.discard(request_key)
+        if received:
+            self._add("failed", 1)
         for key in [k for k in self._seq if k[0] == request_key]:
             self._seq.pop(key, None)
 

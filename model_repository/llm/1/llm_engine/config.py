@@ -184,6 +184,24 @@ class TritonSection(_Section):
     metricsPort: int = 8002
     exitTimeoutSecs: int = 5
 
+    # Where clients reach Triton (an IPv6 address in brackets).
+    @property
+    def http_url(self) -> str:
+        return f"http://{url_host(self.httpAddress)}:{self.httpPort}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{url_host(self.httpAddress)}:{self.metricsPort}/metrics"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{url_host(self.grpcAddress)}:{self.grpcPort}"
+
+
+def url_host(address: str) -> str:
+    """``address`` as the host part of a URL or gRPC target: IPv6 in brackets."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
 
 class Settings(_Section):
     ServerConfig: ServerSection = Field(default_factory=ServerSection)

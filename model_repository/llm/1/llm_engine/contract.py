@@ -32,8 +32,8 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("stream", "BOOL", (1,), True, "true: one response per step; false: one per sequence"),
     Tensor("sampling_parameters", "BYTES", (1,), True, "JSON object, see params.py"),
     Tensor("stop_request_id", "BYTES", (1,), True,
-           "a control call (MindIE's stopInfer): the running requests with this request id end as "
-           "'cancelled' with what they generated; this call gets one empty final response"),
+           "a control call (MindIE's stopInfer): the requests with this request id, running or arriving "
+           "within 60 s, end as 'cancelled' with what they generated; this call gets one empty final response"),
 )
 
 OUTPUTS: tuple[Tensor, ...] = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import importlib.util
 import json
@@ -160,7 +161,7 @@ def convert_gguf(gguf: Path) -> Path:
 def _remove_leftovers(target: Path) -> None:
     """Remove the temp folders of conversions into ``target`` that died (killed, or out of
     disk) before renaming theirs. Called under the target's lock, so none is in progress."""
-    for tmp in target.parent.glob(f"{target.name}.*"):
+    for tmp in target.parent.glob(f"{glob.escape(target.name)}.*"):
         if tmp.is_dir():
             log.info("removing %s, left by a conversion that did not finish", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
