@@ -64,11 +64,17 @@ def test_a_folder_others_can_write_is_not_trusted(tmp_path):
     assert flags.cancelled("x")
 
 
-def test_the_folder_is_read_again_only_when_it_changed(tmp_path, monkeypatch):
+def _stopped_long_ago(tmp_path, request_id: str) -> CancelFlags:
+    """A folder with a stop for ``request_id``, last changed 10 s ago (past the racy second)."""
     flags = CancelFlags(str(tmp_path / "flags"))
-    flags.raise_stop("a")
+    flags.raise_stop(request_id)
     old = time.time() - 10
-    os.utime(flags.folder, (old, old))  # changed long ago
+    os.utime(flags.folder, (old, old))
+    return flags
+
+
+def test_the_folder_is_read_again_only_when_it_changed(tmp_path, monkeypatch):
+    flags = _stopped_long_ago(tmp_path, "a")
     reads = []
     real = os.listdir
     monkeypatch.setattr(os, "listdir", lambda p: reads.append(p) or real(p))
@@ -83,10 +89,7 @@ def test_the_folder_is_read_again_only_when_it_changed(tmp_path, monkeypatch):
 
 
 def test_a_failed_read_is_tried_again_at_the_next_poll(tmp_path, monkeypatch):
-    flags = CancelFlags(str(tmp_path / "flags"))
-    flags.raise_stop("a")
-    old = time.time() - 10
-    os.utime(flags.folder, (old, old))
+    flags = _stopped_long_ago(tmp_path, "a")
     real = os.listdir
     monkeypatch.setattr(os, "listdir", lambda p: (_ for _ in ()).throw(OSError(24, "Too many open files")))
     flags.refresh()
