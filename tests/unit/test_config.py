@@ -87,3 +87,24 @@ def test_edge_values_pass(sections):
 
 def test_the_defaults_pass():
     Settings()
+
+
+def test_keys_this_server_does_not_use_are_named_at_load(tmp_path, caplog):
+    """A MindIE settings file carries keys this server has no use for; a typo looks the same."""
+    data = json.loads((ROOT / "conf" / "config.json").read_text())
+    data["ServerConfig"]["inferMode"] = "standard"
+    data["ServerConfig"]["maxLinkNumm"] = 5  # a typo
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["worldSize"] = 1
+    data["LogConfig"] = {"logLevel": "Info"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        load_settings(path)
+    line = next(r.getMessage() for r in caplog.records if "not used by this server" in r.getMessage())
+    for key in ("ServerConfig.inferMode", "ServerConfig.maxLinkNumm",
+                "BackendConfig.ModelDeployConfig.ModelConfig.worldSize", "LogConfig"):
+        assert key in line
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_settings(ROOT / "conf" / "config.json")  # the shipped file: every key is used
+    assert not [r for r in caplog.records if "not used" in r.getMessage()]

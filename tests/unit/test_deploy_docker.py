@@ -21,8 +21,7 @@ from pathlib import PurePosixPath
 
 import pytest
 import yaml
-from llm_engine.config import Settings
-from pydantic import BaseModel
+from llm_engine.config import Settings, unused_keys
 
 from tests.unit.deploy_checks import (
     APP_HOME,
@@ -185,26 +184,10 @@ def test_hadolint():
 # --------------------------------------------------------------------------- container config
 
 
-def _unknown_keys(data, model: type[BaseModel], where: str = "") -> list[str]:
-    """Keys the settings model would silently ignore (extra="ignore"): typos."""
-    found = []
-    for key, value in data.items():
-        field = model.model_fields.get(key)
-        if field is None:
-            found.append(f"{where}{key}")
-            continue
-        ann = field.annotation
-        sub = ann.__args__[0] if getattr(ann, "__origin__", None) is list else ann
-        if getattr(sub, "__origin__", None) is None and isinstance(sub, type) and issubclass(sub, BaseModel):
-            for item in value if isinstance(value, list) else [value]:
-                found += _unknown_keys(item, sub, f"{where}{key}.")
-    return found
-
-
 def test_container_config_validates():
     data = json.loads(CONTAINER_CONFIG.read_text())
     settings = Settings.model_validate(data)
-    assert not _unknown_keys(data, Settings)
+    assert not unused_keys(data, Settings)
     assert settings.server.ipAddress == "0.0.0.0", "must listen beyond the container's loopback"
     assert settings.server.port == 1025
     assert settings.triton.httpAddress == "127.0.0.1" and settings.triton.grpcAddress == "127.0.0.1"

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 CONFIG_ENV = "MINDIE_TRITON_CONFIG"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -252,4 +255,27 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
             raise FileNotFoundError(f"settings file not found: {p}")
         return Settings()
     with p.open(encoding="utf-8") as fh:
-        return Settings.model_validate(json.load(fh))
+        data = json.load(fh)
+    settings = Settings.model_validate(data)
+    unused = unused_keys(data, Settings)
+    if unused:  # a MindIE settings file carries many keys this server has no use for; a typo looks the same
+        log.warning("settings not used by this server (ignored): %s", ", ".join(unused))
+    return settings
+
+
+def unused_keys(data, model: type[BaseModel], where: str = "") -> list[str]:
+    """The keys of ``data`` that ``model`` ignores (``extra="ignore"``), as dotted paths."""
+    found = []
+    if not isinstance(data, dict):
+        return found
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            found.append(f"{where}{key}")
+            continue
+        ann = field.annotation
+        sub = ann.__args__[0] if getattr(ann, "__origin__", None) is list else ann
+        if getattr(sub, "__origin__", None) is None and isinstance(sub, type) and issubclass(sub, BaseModel):
+            for item in value if isinstance(value, list) else [value]:
+                found += unused_keys(item, sub, f"{where}{key}.")
+    return found
