@@ -79,7 +79,7 @@ def test_a_bad_value_is_named(sections, message):
     {MODEL: {"modelName": "Qwen2.5-7B_instruct.v1"}},
     {MODEL: {"modelName": "x" * 256}},
     {"ServerConfig": {"port": 1024, "ipAddress": "::1"}},
-    {"ServerConfig": {"port": 65535, "ipAddress": "0.0.0.0"}},
+    {"ServerConfig": {"port": 65535, "ipAddress": "0.0.0.0", "allowAllZeroIpListening": True}},
 ])
 def test_edge_values_pass(sections):
     Settings.model_validate(settings(**sections))
@@ -108,3 +108,12 @@ def test_keys_this_server_does_not_use_are_named_at_load(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         load_settings(ROOT / "conf" / "config.json")  # the shipped file: every key is used
     assert not [r for r in caplog.records if "not used" in r.getMessage()]
+
+
+@pytest.mark.parametrize("server", [{"ipAddress": "0.0.0.0"}, {"ipAddress": "::"},
+                                    {"managementIpAddress": "0.0.0.0", "managementPort": 1026}])
+def test_every_interface_needs_allow_all_zero_ip_listening(server):
+    """Spec §5: MindIE refuses 0.0.0.0 unless allowAllZeroIpListening is set."""
+    with pytest.raises(ValidationError, match="allowAllZeroIpListening"):
+        Settings.model_validate({"ServerConfig": server})
+    Settings.model_validate({"ServerConfig": dict(server, allowAllZeroIpListening=True)})

@@ -21,8 +21,8 @@ def test_unset_planes_share_the_business_listener():
 
 
 def test_mindie_planes_get_their_own_listeners(monkeypatch):
-    srv = ServerSection(ipAddress="0.0.0.0", port=1025, managementIpAddress="127.0.0.2", managementPort=1026,
-                        metricsPort=1027)
+    srv = ServerSection(ipAddress="0.0.0.0", allowAllZeroIpListening=True, port=1025, managementIpAddress="127.0.0.2",
+                        managementPort=1026, metricsPort=1027)
     assert listeners(srv) == [Listener("0.0.0.0", 1025, frozenset({BUSINESS})),
                               Listener("127.0.0.2", 1026, frozenset({MANAGEMENT})),
                               Listener("127.0.0.2", 1027, frozenset({METRICS}))]

@@ -40,6 +40,7 @@ class ServerSection(_Section):
     # MindIE's management plane (health, status) and metrics listener. Unset, they are the
     # business listener (MindIE's defaults are 127.0.0.2, 1026 and 1027): one port serves all.
     managementIpAddress: Optional[str] = None
+    allowAllZeroIpListening: bool = Field(False, description="allow ipAddress 0.0.0.0 / :: (every interface)")
     managementPort: Optional[int] = Field(None, ge=1024, le=65535)
     metricsPort: Optional[int] = Field(None, ge=1024, le=65535)
     httpsEnabled: bool = False
@@ -67,6 +68,16 @@ class ServerSection(_Section):
         except ValueError:
             raise ValueError(f"{info.field_name} must be an IPv4 or IPv6 address, got {value!r}") from None
         return value
+
+    @model_validator(mode="after")
+    def _all_zero(self):
+        """MindIE listens on every interface only when asked to twice (spec §5)."""
+        for name in ("ipAddress", "managementIpAddress"):
+            value = getattr(self, name)
+            if value is not None and ipaddress.ip_address(value).is_unspecified and not self.allowAllZeroIpListening:
+                raise ValueError(f"{name} {value} listens on every interface; set ServerConfig."
+                                 "allowAllZeroIpListening to true to allow it")
+        return self
 
 
 class ModelSection(_Section):
