@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings, tokenizer=None) -> FastAPI:
-    admission = AdmissionState()
+    admission = AdmissionState(settings.server.maxLinkNum)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

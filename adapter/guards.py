@@ -137,6 +137,12 @@ class Admission:
 
 
 class AdmissionState:
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 0) -> None:
         self.stopping = False
         self.in_flight = 0
+        self.limit = limit  # maxLinkNum; 0: no limit
+
+    @property
+    def busy(self) -> bool:
+        """Every inference slot is taken: a new request would get 503 (MindIE's busy state)."""
+        return bool(self.limit) and self.in_flight >= self.limit

@@ -47,7 +47,9 @@ async def health(request: Request):
 
 
 @router.get("/v2/health/live")
-async def live():
+async def live(request: Request):
+    if request.app.state.admission.busy:  # alive, and says so (spec §4)
+        return JSONResponse({"message": "Service is alive but busy"})
     return Response(status_code=200)
 
 
@@ -55,6 +57,9 @@ async def live():
 async def ready(request: Request):
     if _stopping(request):
         return JSONResponse({"message": "Service is stopping"}, status_code=503)
+    if request.app.state.admission.busy:  # spec §4: a saturated server takes no more traffic
+        return JSONResponse({"message": "Service is alive but busy. Consider reducing request frequency"},
+                            status_code=503)
     if await _ready(request):
         return Response(status_code=200)
     return JSONResponse({"message": "Model is not ready"}, status_code=503)

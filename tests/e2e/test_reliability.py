@@ -232,8 +232,14 @@ def test_overload_is_an_immediate_503_with_retry_after(adapter_with):
         r = httpx.post(a.url + "/v1/completions", json=GOOD, timeout=10)
         assert r.status_code == 503 and r.headers["retry-after"]
         assert time.monotonic() - t0 < 1
+        # spec §4's busy state: alive, but not ready for more traffic
+        live, ready = httpx.get(a.url + "/v2/health/live"), httpx.get(a.url + "/v2/health/ready")
+        assert (live.status_code, live.json()) == (200, {"message": "Service is alive but busy"})
+        assert (ready.status_code, ready.json()) == (
+            503, {"message": "Service is alive but busy. Consider reducing request frequency"})
         assert [line for line in events if line][-1] == "data: [DONE]"  # the first one was not disturbed
     assert httpx.post(a.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
+    assert httpx.get(a.url + "/v2/health/ready").status_code == 200
 
 
 def test_api_key(adapter_with):
