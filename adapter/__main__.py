@@ -18,7 +18,7 @@ import uvicorn
 from llm_engine.config import load_settings
 
 from adapter.app import create_app
-from adapter.planes import Listener, listeners
+from adapter.planes import Listener, bind, listeners
 
 log = logging.getLogger("adapter")
 
@@ -81,18 +81,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _listen(listener: Listener, write_timeout: float) -> socket.socket:
     """A listening socket for ``listener``; accepted connections inherit its options."""
-    family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock = bind(listener.host, listener.port)
+    except OSError as exc:
+        raise SystemExit(f"cannot listen on {listener.url_host}:{listener.port}: {exc}") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     # a peer that acknowledges nothing (or keeps a zero window) this long is disconnected by
     # the kernel; this frees the connection of a stalled stream that the adapter gave up on
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(write_timeout * 1000))
-    try:
-        sock.bind((listener.host, listener.port))
-    except OSError as exc:
-        sock.close()
-        raise SystemExit(f"cannot listen on {listener.url_host}:{listener.port}: {exc}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -7,12 +7,12 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from llm_engine.config import Settings
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapter import completions, infer, management, mindie_metrics, openapi, stop_infer
-from adapter.errors import MindIEError, error_body
+from adapter.errors import MindIEError, error_body, not_found_error
 from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
 from adapter.metrics import MetricsMiddleware
 from adapter.planes import PlaneFilter, listeners
@@ -78,12 +78,11 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     async def model_info(model: str, request: Request):
         svc: Service = request.app.state.service
         if model != svc.model_name:
-            return JSONResponse({"error": f"Model {model} not found.", "error_type": "NotFoundError"},
-                                status_code=404)
+            raise not_found_error(f"Model {model} not found.")
         return {"id": svc.model_name, "object": "model", "created": svc.started, "owned_by": "MindIE Server"}
 
     srv = settings.server
-    app.add_middleware(Admission, state=admission, limit=srv.maxLinkNum)
+    app.add_middleware(Admission, state=admission)
     app.add_middleware(BodyLimit, max_bytes=srv.maxRequestLength * 2**20, mib=srv.maxRequestLength)
     app.add_middleware(ApiKey, key=srv.apiKey)
     app.add_middleware(HeaderLimit)

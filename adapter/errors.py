@@ -9,6 +9,7 @@ balancers back off and retry instead of treating it as a failed generation.
 
 from __future__ import annotations
 
+NOT_FOUND = "NotFoundError"
 VALIDATION = "Input Validation Error"
 GENERATION = "Generation Error"
 INCOMPLETE = "Incomplete Generation"
@@ -28,6 +29,12 @@ class MindIEError(Exception):
 
     def __repr__(self) -> str:
         return f"MindIEError({self.status}, {self.message!r}, {self.error_type!r})"
+
+
+def not_found_error(msg: str) -> MindIEError:
+    """404 with a body: an unknown model or request id, a bad ``/health/timed`` wait (unknown
+    paths get an empty 404 instead)."""
+    return MindIEError(404, msg, NOT_FOUND)
 
 
 def validation_error(msg: str) -> MindIEError:

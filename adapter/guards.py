@@ -112,10 +112,9 @@ class ApiKey:
 
 
 class Admission:
-    def __init__(self, app, state, limit: int):
+    def __init__(self, app, state: AdmissionState):
         self.app = app
-        self.state = state  # has .stopping and .in_flight
-        self.limit = limit
+        self.state = state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
@@ -124,9 +123,9 @@ class Admission:
             return await _send_json(send, 503, {"error": "The service has been stopped",
                                                 "error_type": "Service Unavailable"},
                                     [(b"retry-after", b"5")])
-        if self.state.in_flight >= self.limit:
+        if self.state.busy:
             return await _send_json(send, 503, {"error": f"Too many requests in flight (maxLinkNum "
-                                                         f"{self.limit}); retry later",
+                                                         f"{self.state.limit}); retry later",
                                                 "error_type": "Service Unavailable"},
                                     [(b"retry-after", b"1")])
         self.state.in_flight += 1
@@ -137,6 +136,8 @@ class Admission:
 
 
 class AdmissionState:
+    """What the admission guard and the health routes share: stopping, requests in flight, maxLinkNum."""
+
     def __init__(self, limit: int = 0) -> None:
         self.stopping = False
         self.in_flight = 0

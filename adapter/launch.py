@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,7 +38,7 @@ from llm_engine.cpu_cores import (
 )
 from llm_engine.weights import resolve_model_dir
 
-from adapter.planes import BUSINESS, MANAGEMENT, listener_for, listeners
+from adapter.planes import BUSINESS, MANAGEMENT, bind, listener_for, listeners
 from adapter.tritonserver import (
     REPO_ROOT,
     llm_config,
@@ -151,13 +150,10 @@ class Supervisor:
         if self.adapter is None or self.adapter.poll() is not None:
             ports += [(listener.host, listener.port) for listener in listeners(srv)]
         for addr, port in ports:
-            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-            with socket.socket(family) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    sock.bind((addr, port))
-                except OSError as exc:
-                    raise RuntimeError(f"port {addr}:{port} is already in use ({exc})") from None
+            try:
+                bind(addr, port).close()
+            except OSError as exc:
+                raise RuntimeError(f"port {addr}:{port} is already in use ({exc})") from None
 
     def _triton_live(self) -> bool:
         try:

@@ -1,7 +1,7 @@
 """MindIE's management routes: health, the timed health probe, and the instance's static config.
 
-They are served on the adapter's one port (MindIE's ``managementPort`` may equal
-``port``, and then one server serves everything).
+They are served on the management listener, which is the business one unless
+``managementPort`` says otherwise (:mod:`adapter.planes`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from adapter.errors import incomplete_error, not_found_error
 from adapter.service import Service, within
 from adapter.triton import TritonError
 
@@ -23,11 +24,6 @@ router = APIRouter(include_in_schema=False)
 PROBE_WAIT_DEFAULT = 10  # seconds, /health/timed without a suffix
 PROBE_WAIT_MAX = 600
 _TIMED = re.compile(r"-(\d+)")
-
-
-def _error(status: int, message: str, error_type: str) -> Response:
-    return Response(json.dumps({"error": message, "error_type": error_type}, separators=(",", ":")),
-                    status_code=status, media_type="application/json")
 
 
 def _stopping(request: Request) -> bool:
@@ -85,11 +81,10 @@ async def timed(suffix: str, request: Request):
         return Response(status_code=404)  # another path: MindIE's route only matches -digits
     digits = match.group(1)
     if len(digits) > 3:
-        return _error(404, f"Max wait time is {PROBE_WAIT_MAX}, input is invalid or too long", "NotFoundError")
+        raise not_found_error(f"Max wait time is {PROBE_WAIT_MAX}, input is invalid or too long")
     seconds = int(digits)
     if not 1 <= seconds <= PROBE_WAIT_MAX:
-        return _error(404, f"Wait time should be in range of [1, {PROBE_WAIT_MAX}], input is not valid",
-                      "NotFoundError")
+        raise not_found_error(f"Wait time should be in range of [1, {PROBE_WAIT_MAX}], input is not valid")
     return await _timed(request, seconds)
 
 
@@ -103,7 +98,7 @@ async def _timed(request: Request, seconds: int) -> Response:
     failure = await probe(svc, seconds)
     if failure:
         log.warning("timed health probe failed: %s", failure)
-        return _error(500, failure, "Incomplete Generation")
+        raise incomplete_error(failure)
     return healthy
 
 

@@ -25,15 +25,13 @@ TTFT = Histogram("mindie_adapter_time_to_first_token_seconds", "request arrival 
 TASKS = Gauge("mindie_adapter_asyncio_tasks", "asyncio tasks alive in the event loop", registry=REGISTRY)
 ProcessCollector(registry=REGISTRY)
 
-ROUTES = INFERENCE_PATHS
-
 
 class MetricsMiddleware:
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in ROUTES:
+        if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
             return await self.app(scope, receive, send)
         route = scope["path"]
         start = time.monotonic()

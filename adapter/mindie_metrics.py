@@ -11,7 +11,6 @@ own metrics are still served.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections import defaultdict
@@ -23,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapter.errors import incomplete_error
 from adapter.metrics import REGISTRY, TASKS
 
 log = logging.getLogger(__name__)
@@ -113,9 +113,7 @@ async def engine_metrics_text(url: str, model_name: str) -> bytes:
 @router.get("/metrics")
 async def metrics(request: Request):
     if os.environ.get(MONITOR_ENV) != "1":
-        return Response(json.dumps({"error": f"Environment variable {MONITOR_ENV} is not set.",
-                                    "error_type": "Incomplete Generation"}, separators=(",", ":")),
-                        status_code=500, media_type="application/json")
+        raise incomplete_error(f"Environment variable {MONITOR_ENV} is not set.")
     settings = request.app.state.settings
     engine = await engine_metrics_text(settings.triton.metrics_url, settings.model.modelName)
     TASKS.set(len(asyncio.all_tasks()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 from llm_engine.config import ServerSection, url_host
@@ -47,6 +48,18 @@ def listeners(srv: ServerSection) -> list[Listener]:
         else:
             by_port[port] = (management_host, {plane})
     return [Listener(h, port, frozenset(planes)) for port, (h, planes) in by_port.items()]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv4 or IPv6, ``SO_REUSEADDR``); raises ``OSError``."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def listener_for(srv: ServerSection, plane: str) -> Listener:

@@ -10,12 +10,10 @@ the answer is 200 with the body echoed, or 404 ``RequestId is {id} not found.``
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from adapter.errors import validation_error
+from adapter.errors import not_found_error, validation_error
 from adapter.protocol.common import parse_body
 from adapter.service import Service, to_mindie
 from adapter.sse import compact
@@ -24,23 +22,18 @@ from adapter.triton import TritonError
 router = APIRouter(include_in_schema=False)
 
 
-def _not_found(message: str) -> Response:
-    return Response(json.dumps({"error": message, "error_type": "NotFoundError"}, separators=(",", ":")),
-                    status_code=404, media_type="application/json")
-
-
 @router.post("/v2/models/{model}/stopInfer")
 async def stop_infer(model: str, request: Request):
     svc: Service = request.app.state.service
     if model != svc.model_name:
-        return _not_found(f"Model {model} not found.")
+        raise not_found_error(f"Model {model} not found.")
     body = parse_body(await request.body())
     request_id = body.get("id")
     if not isinstance(request_id, str) or not request_id:
         raise validation_error("Parameter id must be a non-empty string")
     generations = sorted(svc.running.get(request_id, ()))
     if not generations:
-        return _not_found(f"RequestId is {request_id} not found.")
+        raise not_found_error(f"RequestId is {request_id} not found.")
     try:
         for triton_id in generations:
             await svc.triton.stop(triton_id)

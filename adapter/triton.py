@@ -58,6 +58,11 @@ def _input(name: str, array: np.ndarray, dtype: str) -> InferInput:
     return tensor
 
 
+def _status_and_message(error) -> tuple[int, str]:
+    """A stream's error response as the engine's status and message (``[424] ...``)."""
+    return parse_error(str(error.message() if hasattr(error, "message") else error))
+
+
 def _short(exc: Exception) -> str:
     code = getattr(exc, "code", None)
     if callable(code):
@@ -211,7 +216,7 @@ class TritonClient:
         try:
             async for result, error in call:
                 if error is not None:
-                    status, message = parse_error(str(error.message() if hasattr(error, "message") else error))
+                    status, message = _status_and_message(error)
                     finished = True
                     self._end_quietly(call)
                     if "is not healthy" in message:  # the Python stub died; Triton still says ready
@@ -257,7 +262,7 @@ class TritonClient:
             async for _, error in call:
                 self._end_quietly(call)
                 if error is not None:
-                    status, message = parse_error(str(error.message() if hasattr(error, "message") else error))
+                    status, message = _status_and_message(error)
                     raise TritonError(status, message)
                 return
         except (InferenceServerException, grpc.RpcError) as exc:

@@ -37,10 +37,10 @@ class ServerSection(_Section):
 
     ipAddress: str = "127.0.0.1"
     port: int = Field(1025, ge=1024, le=65535)
+    allowAllZeroIpListening: bool = Field(False, description="allow ipAddress 0.0.0.0 / :: (every interface)")
     # MindIE's management plane (health, status) and metrics listener. Unset, they are the
     # business listener (MindIE's defaults are 127.0.0.2, 1026 and 1027): one port serves all.
     managementIpAddress: Optional[str] = None
-    allowAllZeroIpListening: bool = Field(False, description="allow ipAddress 0.0.0.0 / :: (every interface)")
     managementPort: Optional[int] = Field(None, ge=1024, le=65535)
     metricsPort: Optional[int] = Field(None, ge=1024, le=65535)
     httpsEnabled: bool = False
