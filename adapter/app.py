@@ -87,5 +87,7 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
     app.add_middleware(ApiKey, key=srv.apiKey)
     app.add_middleware(HeaderLimit)
     app.add_middleware(MetricsMiddleware)
-    app.add_middleware(PlaneFilter, planes_by_port={listener.port: listener.planes for listener in listeners(srv)})
+    planes = listeners(srv)
+    if len(planes) > 1:  # one listener serves every route: nothing to filter
+        app.add_middleware(PlaneFilter, planes_by_port={listener.port: listener.planes for listener in planes})
     return app
