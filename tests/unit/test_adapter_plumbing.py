@@ -349,6 +349,8 @@ def test_the_test_run_picks_ports_no_other_server_holds():
     base = int(_pick_port_base())
     assert _ports_free(base)
     with socket.socket() as other:
+        # as a server does: the port may still hold TIME_WAIT connections of an earlier stack
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         other.bind(("127.0.0.1", base + 25))
         other.listen()
         assert not _ports_free(base)
