@@ -44,6 +44,13 @@ _OUTPUTS = {
                     "batch_size", "queue_wait_us"),
     "infer": ("text_output", "finish_reason", "completion_tokens", "token_ids", "seed"),
 }
+# The outputs the answers read only from a response that ends a sequence (usage, details,
+# ranking). The model leaves them out of the other responses of a stream (the
+# ``finish_only_outputs`` request parameter), so a streamed token carries its text, and
+# its ids, index and logprobs where asked for: measured at 32 streams on 2 cores, seven
+# outputs a token against three cost the stack ~10% of its throughput.
+FINISH_ONLY = ("finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "cumulative_logprob",
+               "seed", "batch_size", "queue_wait_us")
 
 
 def wanted_outputs(plan: GenerationPlan) -> list[str]:
@@ -211,7 +218,8 @@ class Service:
         # reaches exactly the generations running when it was asked for
         triton_id = f"{request_id}#{next(self._generations)}"
         gen = self.triton.generate(triton_id, sampling, prompt_ids=plan.prompt_ids,
-                                   prompt_text=plan.prompt_text, stream=stream, outputs=wanted_outputs(plan))
+                                   prompt_text=plan.prompt_text, stream=stream, outputs=wanted_outputs(plan),
+                                   finish_only=FINISH_ONLY)
         self.running[request_id].add(triton_id)
         try:
             while True:

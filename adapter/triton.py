@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
+from llm_engine.contract import FINISH_ONLY_OUTPUTS
 from llm_engine.errors import parse_error
 from llm_engine.sequence import StepOutput
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
@@ -185,9 +186,12 @@ class TritonClient:
 
     async def generate(self, request_id: str, sampling: dict, *, prompt_ids: list[int] | None = None,
                        prompt_text: str | None = None, stream: bool = True,
-                       outputs: list[str] | None = None) -> AsyncIterator[Chunk]:
+                       outputs: list[str] | None = None,
+                       finish_only: tuple[str, ...] = ()) -> AsyncIterator[Chunk]:
         """Yield the model's responses until the final one; with ``outputs``, only those
-        outputs travel (the others read as neutral values, see :func:`_chunk`).
+        outputs travel (the others read as neutral values, see :func:`_chunk`), and those
+        also in ``finish_only`` only on responses that end a sequence (finish reason) or
+        the request.
 
         Leaving the loop early (``break``, an exception, task cancellation) cancels the
         gRPC call, and the engine drops the request at its next step.
@@ -203,9 +207,11 @@ class TritonClient:
                                  "BYTES"))
 
         wanted = [InferRequestedOutput(name) for name in outputs] if outputs else None
+        parameters = {FINISH_ONLY_OUTPUTS: ",".join(finish_only)} if finish_only else None
 
         async def requests():
-            yield {"model_name": self.model, "inputs": inputs, "outputs": wanted, "request_id": request_id}
+            yield {"model_name": self.model, "inputs": inputs, "outputs": wanted, "request_id": request_id,
+                   "parameters": parameters}
 
         try:
             call = self._get().stream_infer(requests())

@@ -118,7 +118,7 @@ def test_the_settings_batching_delay_is_what_triton_runs(stack):
     assert r.status_code in (401, 403), r.text
 
 
-def _stream(stack, i: int, params: dict, outputs: list[str] | None = None):
+def _stream(stack, i: int, params: dict, outputs: list[str] | None = None, parameters: dict | None = None):
     """One gRPC stream to ``llm``; yields ``(result, error)`` for each response until the
     FINAL one or an error (each waited for at most 120 s)."""
     import queue
@@ -133,7 +133,7 @@ def _stream(stack, i: int, params: dict, outputs: list[str] | None = None):
     p = grpcclient.InferInput("sampling_parameters", [1, 1], "BYTES")
     p.set_data_from_numpy(np.array([[json.dumps(params)]], dtype=object))
     wanted = [grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None
-    client.async_stream_infer("llm", [t, p], outputs=wanted)
+    client.async_stream_infer("llm", [t, p], outputs=wanted, parameters=parameters)
     try:
         while True:
             result, error = got.get(timeout=120)
@@ -143,6 +143,26 @@ def _stream(stack, i: int, params: dict, outputs: list[str] | None = None):
     finally:
         client.stop_stream()
         client.close()
+
+
+def test_finish_only_outputs_come_only_with_the_last_response(stack):
+    """The ``finish_only_outputs`` request parameter (README's tensor contract): the stream's
+    other responses carry only the rest of the requested outputs."""
+    wanted = ["text_output", "token_ids", "prompt_tokens", "completion_tokens", "batch_size"]
+    got = list(_stream(stack, 3, {"max_tokens": 6, "ignore_eos": True}, wanted,
+                       parameters={"finish_only_outputs": "prompt_tokens,completion_tokens,batch_size"}))
+    assert all(error is None for _, error in got), got
+    names = [{o.name for o in result.get_response().outputs} for result, _ in got]
+    assert len(names) >= 2 and all(n == {"text_output", "token_ids"} for n in names[:-1]), names
+    assert names[-1] == set(wanted)
+    last = got[-1][0]
+    assert last.as_numpy("completion_tokens").reshape(-1).tolist() == [6]
+    assert last.as_numpy("batch_size").size == 6  # every step's, on the finishing response
+    ids = [t for result, _ in got for t in result.as_numpy("token_ids").reshape(-1).tolist()]
+    assert len(ids) == 6
+
+    (result, error), = _stream(stack, 4, {"max_tokens": 2}, wanted, parameters={"finish_only_outputs": "usage"})
+    assert result is None and "[400]" in str(error) and "finish_only_outputs" in str(error)
 
 
 def _rounds(stack, rounds: int, one) -> None:

@@ -239,6 +239,17 @@ def test_a_request_asks_triton_only_for_the_outputs_its_answer_uses(endpoint, sa
     assert set(names) <= {t.name for t in OUTPUTS} and len(names) == len(set(names))
 
 
+def test_what_a_streamed_token_is_built_from_is_never_left_for_the_finish():
+    """The outputs the adapter lets the model send only when a sequence ends: totals and
+    per-request values, never the text, ids, index or logprobs a streamed event is built from."""
+    from llm_engine.contract import OUTPUTS
+
+    from adapter.service import FINISH_ONLY
+
+    assert set(FINISH_ONLY) <= {t.name for t in OUTPUTS}
+    assert not {"text_output", "token_ids", "index", "logprobs"} & set(FINISH_ONLY)
+
+
 def test_next_within_hands_on_items_and_times_out_a_stalled_source():
     from adapter.service import next_within
 

@@ -5,6 +5,7 @@ tests/e2e (test_triton_clients.py, test_reliability.py)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import threading
 import types
@@ -71,6 +72,11 @@ def model(monkeypatch):
     return module, instance
 
 
+def every(module):
+    """A request that names no outputs: all of them, on every response."""
+    return module._Selection(module.ALL_OUTPUTS, module.ALL_OUTPUTS)
+
+
 def output(final: bool, text: str = "x") -> StepOutput:
     return StepOutput(index=0, text=text, token_ids=[1], finish_reason="length" if final else "", prompt_tokens=3,
                       cached_tokens=0, completion_tokens=1, cumulative_logprob=-0.5, seed=7, batch_size=[1],
@@ -82,17 +88,17 @@ def test_a_failed_send_cancels_the_request_and_ends_it_once(model):
     watched, failed = {}, {}
     sender = Sender(fail_on=(1,))
     cancelled = threading.Event()
-    m._handle((sender, module._Watch(lambda: False, cancelled, "r1"), 0.0, frozenset()), watched, failed)
-    m._handle((sender, output(False, "a"), 0.0, frozenset()), watched, failed)
+    m._handle((sender, module._Watch(lambda: False, cancelled, "r1"), 0.0, every(module)), watched, failed)
+    m._handle((sender, output(False, "a"), 0.0, every(module)), watched, failed)
     assert [r.output_tensors[0].array.tolist() for r, _ in sender.sent] == [[[b"a"]]]
-    m._handle((sender, output(False, "b"), 0.0, frozenset()), watched, failed)  # send() raises
+    m._handle((sender, output(False, "b"), 0.0, every(module)), watched, failed)  # send() raises
     # the engine is told to drop the request, and the client gets one error FINAL
     assert cancelled.is_set() and not watched and id(sender) in failed
     (error, flags), = sender.sent[1:]
     assert flags == FINAL and "internal error" in error.error.message
     # what the engine still emits before it drops the request is not sent
-    m._handle((sender, output(False, "c"), 0.0, frozenset()), watched, failed)
-    m._handle((sender, output(True, ""), 0.0, frozenset()), watched, failed)
+    m._handle((sender, output(False, "c"), 0.0, every(module)), watched, failed)
+    m._handle((sender, output(True, ""), 0.0, every(module)), watched, failed)
     assert len(sender.sent) == 2 and not failed
     assert m.metrics.forgotten == [id(sender)]
 
@@ -101,15 +107,67 @@ def test_a_failed_last_send_leaves_nothing_behind(model):
     module, m = model
     watched, failed = {}, {}
     sender = Sender(fail_on=(0,))
-    m._handle((sender, module._Watch(lambda: False, threading.Event(), "r2"), 0.0, frozenset()), watched, failed)
-    m._handle((sender, output(True), 0.0, frozenset()), watched, failed)
+    m._handle((sender, module._Watch(lambda: False, threading.Event(), "r2"), 0.0, every(module)), watched, failed)
+    m._handle((sender, output(True), 0.0, every(module)), watched, failed)
     assert not watched and not failed
     (error, flags), = sender.sent
     assert flags == FINAL and error.error is not None
     other = Sender()  # the next request is served as usual
-    m._handle((other, output(True, "ok"), 0.0, frozenset({"text_output"})), watched, failed)
+    text_only = module._Selection(frozenset({"text_output"}), frozenset({"text_output"}))
+    m._handle((other, output(True, "ok"), 0.0, text_only), watched, failed)
     (response, flags), = other.sent
     assert flags == FINAL and [t.name for t in response.output_tensors] == ["text_output"]
+
+
+class Request:
+    """What ``_selection`` reads of a Triton request."""
+
+    def __init__(self, outputs=(), parameters=None):
+        self.outputs, self.params = list(outputs), parameters
+
+    def requested_output_names(self):
+        return self.outputs
+
+    def parameters(self):
+        return json.dumps(self.params or {})
+
+
+def test_finish_only_outputs_travel_only_on_responses_that_end_a_sequence_or_the_request(model):
+    """The ``finish_only_outputs`` request parameter: a running response leaves those out; a
+    sequence's last one (n > 1: a finish reason before the request's FINAL) and the FINAL
+    carry every requested output."""
+    module, m = model
+    wanted = ["text_output", "index", "finish_reason", "prompt_tokens", "batch_size"]
+    selection = module._selection(Request(wanted, {"finish_only_outputs": "finish_reason, prompt_tokens,batch_size"}))
+    sender = Sender()
+    sequence_end = output(False, "b")
+    sequence_end.finish_reason = "stop"
+    for out in (output(False, "a"), sequence_end, output(True, "c")):
+        m._handle((sender, out, 0.0, selection), {}, {})
+    names = [[t.name for t in response.output_tensors] for response, _ in sender.sent]
+    assert names == [["text_output", "index"], wanted, wanted]
+    assert [flags for _, flags in sender.sent] == [0, 0, FINAL]
+
+
+def test_without_finish_only_outputs_every_response_carries_what_was_asked_for(model):
+    module, _ = model
+    assert module._selection(Request()) == (module.ALL_OUTPUTS, module.ALL_OUTPUTS)
+    asked = module._selection(Request(["text_output", "seed"], {"other": 1}))
+    assert asked.ending == asked.running == {"text_output", "seed"}
+    # a name the request did not ask for changes nothing; only asked-for outputs are sent
+    some = module._selection(Request(["text_output"], {"finish_only_outputs": "seed"}))
+    assert some.ending == some.running == {"text_output"}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("text_output,usage", "unknown outputs: usage"),
+    (["seed"], "comma-separated string"),
+])
+def test_a_bad_finish_only_outputs_parameter_is_a_400_naming_it(model, value, message):
+    module, _ = model
+    with pytest.raises(module.InvalidParameter, match="finish_only_outputs") as err:
+        module._selection(Request(["text_output"], {"finish_only_outputs": value}))
+    assert message in str(err.value) and err.value.wire().startswith("[400]")
 
 
 def test_a_stop_raises_a_flag_the_poll_turns_into_the_engines_cancel(model, tmp_path):
@@ -125,7 +183,7 @@ def test_a_stop_raises_a_flag_the_poll_turns_into_the_engines_cancel(model, tmp_
     watched, failed = {}, {}
     target, other = threading.Event(), threading.Event()
     for sender, event, rid in ((Sender(), target, "req-7#0"), (Sender(), other, "req-7#1")):
-        m._handle((sender, module._Watch(lambda: False, event, rid), 0.0, frozenset()), watched, failed)
+        m._handle((sender, module._Watch(lambda: False, event, rid), 0.0, every(module)), watched, failed)
     control = Sender()
     m._stop(b"req-7#0", control)
     m._handle(m._outbox.get_nowait(), watched, failed)
@@ -156,7 +214,7 @@ def test_a_stop_whose_answer_fails_leaves_nothing_behind(model, tmp_path):
 def test_an_engine_error_is_sent_as_the_error_final(model):
     _, m = model
     sender = Sender()
-    m._handle((sender, EngineError("[424] too long"), 0.0, frozenset()), {}, {})
+    m._handle((sender, EngineError("[424] too long"), 0.0, None), {}, {})
     (error, flags), = sender.sent
     assert flags == FINAL and "too long" in error.error.message
 

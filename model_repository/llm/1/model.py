@@ -19,11 +19,13 @@ import queue
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from cancel_flags import CancelFlags
 from llm_engine.config import load_settings
+from llm_engine.contract import FINISH_ONLY_OUTPUTS, finish_only_outputs, output_names
 from llm_engine.cpu_cores import instance_count, pin_current_thread
 from llm_engine.errors import EngineError, InvalidParameter
 from llm_engine.params import parse_sampling_parameters
@@ -119,18 +121,18 @@ class TritonPythonModel:
         stream_flag = _scalar(request, "stream")
         stream = True if stream_flag is None else bool(stream_flag)
         req_id = request.request_id() or f"triton-{id(request):x}"
-        wanted = frozenset(request.requested_output_names())
+        selection = _selection(request)
         cancelled = threading.Event()
         req = Request(
             request_id=req_id, prompt_ids=prompt_ids, params=params, stream=stream,
-            emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0, wanted)),
+            emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0, selection)),
             is_cancelled=cancelled.is_set,
         )
         self.engine.prepare(req)
         # From here on only the sender thread touches this sender: it polls it for a
         # cancel until it has sent the FINAL, and never after (querying a finished
         # sender crashed tritonserver).
-        self._outbox.put((sender, _Watch(sender.is_cancelled, cancelled, req_id), 0.0, wanted))
+        self._outbox.put((sender, _Watch(sender.is_cancelled, cancelled, req_id), 0.0, selection))
         self.metrics.on_request(len(prompt_ids), id(sender))  # before its outputs can be sent
         try:
             self.engine.submit(req)
@@ -149,7 +151,7 @@ class TritonPythonModel:
         except OSError as exc:
             raise EngineError(f"could not stop request {stop_id!r}: {exc}") from None
         log.info("stop requested for request id %r", stop_id)
-        self._outbox.put((sender, _STOPPED, 0.0, frozenset()))
+        self._outbox.put((sender, _STOPPED, 0.0, None))
 
     def _prompt_ids(self, request) -> list[int]:
         ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
@@ -168,7 +170,7 @@ class TritonPythonModel:
 
     def _end_with_error(self, sender, exc: EngineError) -> None:
         """Queue the request's error FINAL: like every response, it goes out on the sender thread."""
-        self._outbox.put((sender, exc, 0.0, frozenset()))
+        self._outbox.put((sender, exc, 0.0, None))
 
     # -- responses out -------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -192,7 +194,7 @@ class TritonPythonModel:
     def _handle(self, item: tuple, watched: dict[int, _Watch], failed: dict[int, object]) -> None:
         """Send one item. ``failed`` holds the senders whose send() raised while their request
         still ran: the engine is dropping those, and what it still emits for them is not sent."""
-        sender, out, t0, wanted = item
+        sender, out, t0, selection = item
         key = id(sender)
         last = isinstance(out, Exception) or out is _STOPPED or (isinstance(out, StepOutput) and out.final)
         if key in failed:
@@ -217,7 +219,9 @@ class TritonPythonModel:
             if out.final:
                 watched.pop(key, None)
             self.metrics.on_output(out, t0, key)
-            sender.send(_response(out, wanted), flags=FINAL if out.final else 0)
+            ending = out.final or bool(out.finish_reason)
+            sender.send(_response(out, selection.ending if ending else selection.running),
+                        flags=FINAL if out.final else 0)
         except Exception as exc:
             # The request must still end: an error FINAL (refused if it was already closed),
             # and the engine must stop generating for it.
@@ -275,6 +279,29 @@ class _Watch:
 _STOPPED = object()  # the outbox item that answers a stop_request_id call
 
 
+class _Selection(NamedTuple):
+    """The outputs a request's responses carry: ``ending`` on a response that ends a
+    sequence (a finish reason) or the request (FINAL), ``running`` on the others."""
+
+    ending: frozenset[str]
+    running: frozenset[str]
+
+
+ALL_OUTPUTS = frozenset(output_names())
+
+
+def _selection(request) -> _Selection:
+    """The outputs the request asked for (all when it names none), less its
+    ``finish_only_outputs`` parameter's on the responses that end nothing."""
+    wanted = frozenset(request.requested_output_names()) or ALL_OUTPUTS
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except ValueError:
+        parameters = {}
+    at_finish = finish_only_outputs(parameters.get(FINISH_ONLY_OUTPUTS))
+    return _Selection(wanted, wanted - at_finish)
+
+
 def _poll_cancels(watched: dict[int, _Watch], flags: CancelFlags) -> None:
     flags.refresh()
     for key, watch in list(watched.items()):
@@ -330,12 +357,12 @@ def _scalar(request, name: str):
 
 
 def _response(out: StepOutput, wanted: frozenset[str]):
-    """Only the outputs the caller asked for. ``send()`` drops the others itself, but it
+    """Only the outputs in ``wanted``. ``send()`` drops the others itself, but it
     does so with the GIL released, and dropping a tensor frees its numpy array: under
     load that corrupted the stub's heap (a segfault in libpython's allocator, seen with
     llm_unary's BLS calls, which do not ask for ``queue_wait_us``)."""
     def t(name, value, dtype):
-        if wanted and name not in wanted:
+        if name not in wanted:
             return None
         return pb_utils.Tensor(name, np.asarray(value, dtype=dtype).reshape(1, -1))
 

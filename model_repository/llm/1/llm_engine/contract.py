@@ -16,6 +16,8 @@ import re
 import tempfile
 from dataclasses import dataclass
 
+from .errors import InvalidParameter
+
 
 @dataclass(frozen=True)
 class Tensor:
@@ -50,6 +52,27 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("queue_wait_us", "INT64", (-1,), doc="per step: µs waited before the step ran"),
     Tensor("logprobs", "BYTES", (1,), doc="JSON list of {token, logprob, top:[[token, logprob]...]} or ''"),
 )
+
+# A request parameter (Triton's request ``parameters``, not a tensor): a comma-separated
+# list of the requested outputs that only responses ending a sequence (finish_reason set)
+# or the request (FINAL) carry. The other responses of a stream leave them out, which
+# saves every streamed token their encoding, transport and decoding; a client reading
+# totals such as usage at the end loses nothing.
+FINISH_ONLY_OUTPUTS = "finish_only_outputs"
+
+
+def finish_only_outputs(value) -> frozenset[str]:
+    """The output names a ``finish_only_outputs`` parameter value gives (absent: none)."""
+    if value is None or value == "":
+        return frozenset()
+    if not isinstance(value, str):
+        raise InvalidParameter(f"{FINISH_ONLY_OUTPUTS} must be a comma-separated string of output names")
+    names = frozenset(name.strip() for name in value.split(",") if name.strip())
+    unknown = sorted(names - set(output_names()))
+    if unknown:
+        raise InvalidParameter(f"{FINISH_ONLY_OUTPUTS} names unknown outputs: {', '.join(unknown)}")
+    return names
+
 
 # llm_unary names its BLS calls llm_unary-<32 hex digits>. A BLS call cannot be cancelled in
 # this Triton, so llm_unary cancels one by creating a file of that name in cancel_flag_dir().
