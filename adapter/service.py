@@ -47,8 +47,8 @@ _OUTPUTS = {
 # The outputs the answers read only from a response that ends a sequence (usage, details,
 # ranking). The model leaves them out of the other responses of a stream (the
 # ``finish_only_outputs`` request parameter), so a streamed token carries its text, and
-# its ids, index and logprobs where asked for: measured at 32 streams on 2 cores, seven
-# outputs a token against three cost the stack ~10% of its throughput.
+# its ids, index and logprobs where asked for: at 32 streams on 2 cores, one output a token
+# instead of seven gave the stack 1.04-1.2x its throughput (bench/README.md).
 FINISH_ONLY = ("finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "cumulative_logprob",
                "seed", "batch_size", "queue_wait_us")
 
