@@ -217,39 +217,6 @@ def test_the_supervisors_health_checks_reuse_one_client_and_leave_no_connection_
         server.shutdown()
 
 
-@pytest.mark.parametrize("endpoint, sampling, logprobs, extra, absent", [
-    ("completions", {}, None, {"batch_size", "queue_wait_us"}, {"index", "logprobs", "token_ids"}),
-    ("completions", {"n": 2}, None, {"index", "cumulative_logprob"}, {"logprobs"}),
-    ("completions", {"best_of": 3, "n": 1}, None, {"index", "cumulative_logprob"}, set()),
-    ("completions", {"use_beam_search": True}, None, {"index", "cumulative_logprob"}, set()),
-    ("completions", {"logprobs": 2}, 2, {"logprobs"}, {"index"}),
-    ("infer", {}, None, {"token_ids", "seed"}, {"index", "logprobs", "batch_size"}),
-])
-def test_a_request_asks_triton_only_for_the_outputs_its_answer_uses(endpoint, sampling, logprobs, extra, absent):
-    from llm_engine.contract import OUTPUTS
-
-    from adapter.protocol.common import GenerationPlan
-    from adapter.service import wanted_outputs
-
-    plan = GenerationPlan(endpoint=endpoint, model=None, prompt_text="hi", prompt_ids=None, stream=True,
-                          sampling=sampling, logprobs=logprobs)
-    names = wanted_outputs(plan)
-    assert {"text_output", "finish_reason", "completion_tokens"} | extra <= set(names)
-    assert not absent & set(names)
-    assert set(names) <= {t.name for t in OUTPUTS} and len(names) == len(set(names))
-
-
-def test_what_a_streamed_token_is_built_from_is_never_left_for_the_finish():
-    """The outputs the adapter lets the model send only when a sequence ends: totals and
-    per-request values, never the text, ids, index or logprobs a streamed event is built from."""
-    from llm_engine.contract import OUTPUTS
-
-    from adapter.service import FINISH_ONLY
-
-    assert set(FINISH_ONLY) <= {t.name for t in OUTPUTS}
-    assert not {"text_output", "token_ids", "index", "logprobs"} & set(FINISH_ONLY)
-
-
 def test_next_within_hands_on_items_and_times_out_a_stalled_source():
     from adapter.service import next_within
 

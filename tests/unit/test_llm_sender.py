@@ -74,7 +74,7 @@ def model(monkeypatch):
 
 def every(module):
     """A request that names no outputs: all of them, on every response."""
-    return module._Selection(module.ALL_OUTPUTS, module.ALL_OUTPUTS)
+    return module._Selection(module.OUTPUT_NAMES, module.OUTPUT_NAMES)
 
 
 def output(final: bool, text: str = "x") -> StepOutput:
@@ -151,7 +151,7 @@ def test_finish_only_outputs_travel_only_on_responses_that_end_a_sequence_or_the
 
 def test_without_finish_only_outputs_every_response_carries_what_was_asked_for(model):
     module, _ = model
-    assert module._selection(Request()) == (module.ALL_OUTPUTS, module.ALL_OUTPUTS)
+    assert module._selection(Request()) == (module.OUTPUT_NAMES, module.OUTPUT_NAMES)
     asked = module._selection(Request(["text_output", "seed"], {"other": 1}))
     assert asked.ending == asked.running == {"text_output", "seed"}
     # a name the request did not ask for changes nothing; only asked-for outputs are sent

@@ -25,7 +25,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from cancel_flags import CancelFlags
 from llm_engine.config import load_settings
-from llm_engine.contract import FINISH_ONLY_OUTPUTS, finish_only_outputs, output_names
+from llm_engine.contract import FINISH_ONLY_OUTPUTS, OUTPUT_NAMES, finish_only_outputs
 from llm_engine.cpu_cores import instance_count, pin_current_thread
 from llm_engine.errors import EngineError, InvalidParameter
 from llm_engine.params import parse_sampling_parameters
@@ -287,13 +287,10 @@ class _Selection(NamedTuple):
     running: frozenset[str]
 
 
-ALL_OUTPUTS = frozenset(output_names())
-
-
 def _selection(request) -> _Selection:
     """The outputs the request asked for (all when it names none), less its
     ``finish_only_outputs`` parameter's on the responses that end nothing."""
-    wanted = frozenset(request.requested_output_names()) or ALL_OUTPUTS
+    wanted = frozenset(request.requested_output_names()) or OUTPUT_NAMES
     try:
         parameters = json.loads(request.parameters() or "{}")
     except ValueError:

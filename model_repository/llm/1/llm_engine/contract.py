@@ -53,6 +53,8 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("logprobs", "BYTES", (1,), doc="JSON list of {token, logprob, top:[[token, logprob]...]} or ''"),
 )
 
+OUTPUT_NAMES = frozenset(t.name for t in OUTPUTS)
+
 # A request parameter (Triton's request ``parameters``, not a tensor): a comma-separated
 # list of the requested outputs that only responses ending a sequence (finish_reason set)
 # or the request (FINAL) carry. The other responses of a stream leave them out, which
@@ -68,7 +70,7 @@ def finish_only_outputs(value) -> frozenset[str]:
     if not isinstance(value, str):
         raise InvalidParameter(f"{FINISH_ONLY_OUTPUTS} must be a comma-separated string of output names")
     names = frozenset(name.strip() for name in value.split(",") if name.strip())
-    unknown = sorted(names - set(output_names()))
+    unknown = sorted(names - OUTPUT_NAMES)
     if unknown:
         raise InvalidParameter(f"{FINISH_ONLY_OUTPUTS} names unknown outputs: {', '.join(unknown)}")
     return names
