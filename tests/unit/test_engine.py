@@ -174,46 +174,6 @@ def test_prompt_too_long_is_rejected_before_queueing(engine):
     assert exc.value.status == 424 and "2048" in str(exc.value)
 
 
-def test_kv_budget_exhaustion_queues_instead_of_failing(engine):
-    """Six 45-token sequences in 12 blocks of 16: some wait, some are preempted and
-    recomputed (prompt and generated tokens prefilled again), and each still says what it
-    says alone with room to spare (float32: recomputation changes only the last bits)."""
-    eng = build(kvCacheBlocks=12, cacheBlockSize=16, enablePrefixCache=False)
-    try:
-        runs = [Run(eng, f"Request number {i} says", max_tokens=40, temperature=0, ignore_eos=True)
-                for i in range(6)]
-        for r in runs:
-            r.wait(300)
-        assert all(r.error is None and r.outputs[-1].completion_tokens == 40 for r in runs)
-        assert eng.blocks.num_free == 12
-        assert eng.scheduler.num_preemptions > 0
-        alone = [Run(engine, f"Request number {i} says", max_tokens=40, temperature=0, ignore_eos=True).wait().text()
-                 for i in range(6)]
-        assert [r.text() for r in runs] == alone
-    finally:
-        eng.stop()
-
-
-def test_requests_larger_than_the_kv_cache_neither_hang_nor_block_the_queue():
-    """8 blocks of 16 tokens: a prompt that cannot fit is refused at once, and a long
-    generation ends at the cache's size instead of preempting itself for ever."""
-    from llm_engine.errors import EnqueueRejected
-
-    eng = build(kvCacheBlocks=8, cacheBlockSize=16, enablePrefixCache=False)
-    try:
-        with pytest.raises(EnqueueRejected, match="cannot be greater than 127"):
-            Run(eng, list(range(100, 300)), max_tokens=5)
-        prompt = list(range(100, 200))
-        long = Run(eng, prompt, max_tokens=500, temperature=0, ignore_eos=True)
-        after = Run(eng, "Hi", max_tokens=3, temperature=0, ignore_eos=True)
-        last = long.wait(120).outputs[-1]
-        assert long.error is None and last.finish_reason == "length" and last.completion_tokens == 128 - 100
-        assert after.wait(120).error is None and after.outputs[-1].completion_tokens == 3
-        assert eng.blocks.num_free == 8
-    finally:
-        eng.stop()
-
-
 def test_beam_search_returns_n_ranked_beams(engine):
     r = Run(engine, "The best way to learn is", stream=False, max_tokens=6, use_beam_search=True, n=3,
             temperature=0, logprobs=0).wait()

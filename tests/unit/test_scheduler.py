@@ -100,3 +100,46 @@ def test_preemption_frees_the_least_urgent():
     ids = [it.seq.request.request_id for it in plan.items]
     assert ids == ["a"] and s.num_preemptions == 1 and s.num_waiting == 1
     assert b.sequences[0].num_computed == 0
+
+
+def preempted_with_two_sequences(req_id, n_prompt, n_generated, arrival=0.0):
+    """A request whose n=2 sequences had generated ``n_generated`` tokens each when it was preempted."""
+    req = make(req_id, n_prompt, arrival=arrival)
+    req.sequences[0].token_ids += [7] * n_generated
+    req.sequences.append(Sequence(req, 1, list(req.prompt_ids) + [8] * n_generated, detok=None, stopper=None,
+                                  generator=None))
+    return req
+
+
+def test_a_readmitted_request_shares_its_prompt_blocks_between_its_sequences():
+    """16-token prompt (4 blocks of 4), two sequences of 19 tokens: 6 blocks with the prompt
+    shared, 10 without, more than the cache's 8. The request is readmitted, its second
+    sequence waits a step for the shared blocks, and the request behind it runs too."""
+    s = sched(blocks=8, bs=4, prefill_tokens=100)
+    a = preempted_with_two_sequences("a", 16, 3, arrival=0)
+    b = make("b", 3, arrival=1)
+    s.add(a)
+    s.add(b)
+    lead, other = a.sequences
+    plan = run_step(s)
+    assert [(it.seq.request.request_id, it.seq.index, it.num_tokens) for it in plan.items] == [("a", 0, 19), ("b", 0, 3)]
+    assert other.table.blocks[:4] == lead.table.blocks[:4] and len(other.table.blocks) == 5
+    assert s.blocks.num_free == 8 - 6 - 1
+    plan = run_step(s)  # the shared blocks are computed: the second sequence recomputes the rest
+    assert [(it.seq.request.request_id, it.seq.index, it.num_tokens) for it in plan.items] == [
+        ("a", 0, 1), ("a", 1, 3), ("b", 0, 1)]
+    s.remove(a)
+    s.remove(b)
+    assert s.blocks.num_free == 8
+
+
+def test_readmission_with_the_prefix_cache_counts_the_shared_prompt_once():
+    s = Scheduler(BlockManager(12, 4, enable_prefix_cache=True), 8, 4, 100, 100)
+    a = make("a", 16)
+    for i in range(1, 8):  # n=8, two generated tokens each: 4 shared blocks + 8 own ones
+        a.sequences.append(Sequence(a, i, list(a.prompt_ids), detok=None, stopper=None, generator=None))
+    for seq in a.sequences:
+        seq.token_ids += [9, 9]
+    s.add(a)
+    run_step(s)
+    assert a in s.running and s.blocks.num_free == 0

@@ -140,9 +140,13 @@ class BlockManager:
         return copies
 
     def fork(self, parent: BlockTable) -> BlockTable:
-        for b in parent.blocks:
+        return self.share_prefix(parent, len(parent.blocks))
+
+    def share_prefix(self, parent: BlockTable, num_blocks: int) -> BlockTable:
+        """A new table holding ``parent``'s first ``num_blocks`` blocks (shared, copy on write)."""
+        for b in parent.blocks[:num_blocks]:
             self.ref[b] += 1
-        return BlockTable(list(parent.blocks))
+        return BlockTable(list(parent.blocks[:num_blocks]))
 
     def release(self, table: BlockTable) -> None:
         # Free in reverse so a sequence's later blocks are evicted before its prefix.

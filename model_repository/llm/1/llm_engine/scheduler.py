@@ -100,6 +100,10 @@ class Scheduler:
             if req not in self.running:  # preempted while making room for a more urgent one
                 continue
             for seq in req.live_sequences():
+                if seq.prefix_of is not None:
+                    if seq.prefix_of.num_computed < seq.num_computed:
+                        continue  # its shared prompt blocks are not computed yet
+                    seq.prefix_of = None
                 todo = len(seq.token_ids) - seq.num_computed
                 if todo == 1:
                     if not self._reserve(seq, len(seq.token_ids), copies, items):
@@ -123,6 +127,8 @@ class Scheduler:
             for seq in live:
                 if min(budget, chunk) <= 0 or prefills >= self.max_prefill_batch_size:
                     break
+                if seq.prefix_of is not None and seq.prefix_of.num_computed < seq.num_computed:
+                    continue
                 todo = len(seq.token_ids) - seq.num_computed
                 items.append(Scheduled(seq, min(todo, budget, chunk)))
                 budget -= items[-1].num_tokens
@@ -131,26 +137,43 @@ class Scheduler:
         return Plan(items, copies)
 
     def _admit(self, req: Request) -> bool:
-        """Give every live sequence of ``req`` blocks for its tokens, using the prefix cache."""
+        """Give every live sequence of ``req`` blocks for its tokens, using the prefix cache.
+
+        The sequences of a request readmitted after preemption (n/best_of, beams) share the
+        prompt's full blocks, as they did when the prompt was computed once: the first one
+        computes them, the others hold their own blocks only for the rest and wait for it.
+        Without the sharing such a request could need more blocks than the cache has (its
+        ``max_new_tokens`` was sized on the sharing, admission.py) and would block the queue.
+        """
         live = req.live_sequences()
-        need = sum(self.blocks.blocks_needed(len(s.token_ids)) for s in live)
-        if need > self.blocks.num_free + self._reusable_hint(live[0]):
+        lead, others = live[0], live[1:]
+        # whole prompt blocks, short of every sequence's last token (so none is copied on write)
+        shared = min(req.prompt_len, *(len(s.token_ids) - 1 for s in live)) // self.blocks.block_size
+        need = self.blocks.blocks_needed(len(lead.token_ids)) + sum(
+            self.blocks.blocks_needed(len(s.token_ids)) - shared for s in others)
+        if need > self.blocks.num_free + self._reusable_hint(lead):
             return False
         done: list[Sequence] = []
         try:
-            for seq in live:
-                cached = self.blocks.allocate_prompt(seq.table, seq.token_ids)
-                seq.num_computed = cached
-                seq.status = Status.RUNNING
+            cached = self.blocks.allocate_prompt(lead.table, lead.token_ids)
+            lead.num_computed = cached
+            done.append(lead)
+            if req.first_scheduled == 0.0:
+                req.cached_tokens = min(cached, req.prompt_len)
+            for seq in others:
                 done.append(seq)
-                if seq is live[0] and req.first_scheduled == 0.0:
-                    req.cached_tokens = min(cached, req.prompt_len)
+                seq.table = self.blocks.share_prefix(lead.table, shared)
+                self.blocks.ensure_slots(seq.table, len(seq.token_ids))
+                seq.num_computed = shared * self.blocks.block_size
+                seq.prefix_of = lead if shared else None
         except OutOfBlocks:
             for seq in done:
                 self.blocks.release(seq.table)
                 seq.num_computed = 0
-                seq.status = Status.WAITING
+                seq.prefix_of = None
             return False
+        for seq in live:
+            seq.status = Status.RUNNING
         return True
 
     def _reusable_hint(self, seq: Sequence) -> int:
@@ -184,6 +207,7 @@ class Scheduler:
         for seq in req.sequences:
             self.blocks.release(seq.table)
             seq.num_computed = 0
+            seq.prefix_of = None
             if not seq.finished:
                 seq.status = Status.WAITING
         heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._order), req))

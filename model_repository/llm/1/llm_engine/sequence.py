@@ -61,6 +61,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose KV is in the cache
+    # readmitted after preemption beside its request's first sequence: its first tokens' blocks are
+    # that sequence's, and it waits until that one has computed them (Scheduler._admit)
+    prefix_of: Optional[Sequence] = None
     status: Status = Status.WAITING
     finish_reason: str = ""
     reported: bool = False  # its finishing output has been emitted
