@@ -74,9 +74,13 @@ def admit(req: Request, lim: EngineLimits) -> None:
     kv_cap = lim.kv_prompt_cap(p.num_sequences)
     if kv_cap is not None and kv_cap < cap:
         cap = kv_cap  # the KV cache is smaller than maxSeqLen: its size limits the prompt too
-    if lim.truncation and n > cap:
-        req.prompt_ids = req.prompt_ids[:cap] if lim.truncation < 0 else req.prompt_ids[-cap:]
-        n = cap
+    if lim.truncation:
+        # MindIE keeps min(maxInputTokenLen, maxSeqLen - 1) tokens and skips L3; this also keeps
+        # the prompt and one new token inside the model's positions (the RoPE table ends there)
+        keep = min(cap, lim.max_position_embeddings - 1) if lim.max_position_embeddings else cap
+        if n > keep:
+            req.prompt_ids = req.prompt_ids[:keep] if lim.truncation < 0 else req.prompt_ids[-keep:]
+            n = keep
     if lim.max_position_embeddings and n > lim.max_position_embeddings and not lim.truncation:
         raise EnqueueRejected(
             "Failed to enqueue inferRequest. This model's maximum input ids length cannot be greater "
