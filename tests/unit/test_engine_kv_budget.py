@@ -28,14 +28,17 @@ def test_kv_budget_exhaustion_queues_instead_of_failing():
         eng.stop()
 
 
-def test_a_preempted_request_with_n_sequences_is_readmitted_and_finishes():
+@pytest.mark.parametrize("params", [
+    dict(max_tokens=32, n=2, temperature=1.0, top_k=1, seed=5, ignore_eos=True),
+    dict(max_tokens=32, n=2, use_beam_search=True, temperature=0, ignore_eos=True),
+], ids=["n", "beam"])
+def test_a_preempted_request_with_n_sequences_is_readmitted_and_finishes(params):
     """8 blocks of 16: a 64-token prompt with n=2 fits only with its prompt blocks shared
     (4 + 2 x 2 blocks). Preempted by an earlier request, it comes back with its prompt
     shared again (not 2 x 5 blocks, which would never fit and would block the queue)."""
     eng = build(kvCacheBlocks=8, cacheBlockSize=16, enablePrefixCache=False)
     try:
         first = Run(eng, list(range(300, 316)), max_tokens=40, temperature=0, ignore_eos=True)
-        params = dict(max_tokens=32, n=2, temperature=1.0, top_k=1, seed=5, ignore_eos=True)
         pair = Run(eng, list(range(100, 164)), **params)
         after = Run(eng, "Hi", max_tokens=3, temperature=0, ignore_eos=True)
         for r in (first, pair, after):

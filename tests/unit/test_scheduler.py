@@ -113,8 +113,9 @@ def preempted_with_two_sequences(req_id, n_prompt, n_generated, arrival=0.0):
 
 def test_a_readmitted_request_shares_its_prompt_blocks_between_its_sequences():
     """16-token prompt (4 blocks of 4), two sequences of 19 tokens: 6 blocks with the prompt
-    shared, 10 without, more than the cache's 8. The request is readmitted, its second
-    sequence waits a step for the shared blocks, and the request behind it runs too."""
+    shared, 10 without, more than the cache's 8. The request is readmitted, its first
+    sequence computes the shared blocks, then both compute the rest in the same step (their
+    logits come together), and the request behind it runs too."""
     s = sched(blocks=8, bs=4, prefill_tokens=100)
     a = preempted_with_two_sequences("a", 16, 3, arrival=0)
     b = make("b", 3, arrival=1)
@@ -122,12 +123,12 @@ def test_a_readmitted_request_shares_its_prompt_blocks_between_its_sequences():
     s.add(b)
     lead, other = a.sequences
     plan = run_step(s)
-    assert [(it.seq.request.request_id, it.seq.index, it.num_tokens) for it in plan.items] == [("a", 0, 19), ("b", 0, 3)]
+    assert [(it.seq.request.request_id, it.seq.index, it.num_tokens) for it in plan.items] == [("a", 0, 16), ("b", 0, 3)]
     assert other.table.blocks[:4] == lead.table.blocks[:4] and len(other.table.blocks) == 5
     assert s.blocks.num_free == 8 - 6 - 1
     plan = run_step(s)  # the shared blocks are computed: the second sequence recomputes the rest
     assert [(it.seq.request.request_id, it.seq.index, it.num_tokens) for it in plan.items] == [
-        ("a", 0, 1), ("a", 1, 3), ("b", 0, 1)]
+        ("a", 0, 3), ("a", 1, 3), ("b", 0, 1)]
     s.remove(a)
     s.remove(b)
     assert s.blocks.num_free == 8

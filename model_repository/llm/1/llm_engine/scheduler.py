@@ -100,10 +100,8 @@ class Scheduler:
             if req not in self.running:  # preempted while making room for a more urgent one
                 continue
             for seq in req.live_sequences():
-                if seq.prefix_of is not None:
-                    if seq.prefix_of.num_computed < seq.num_computed:
-                        continue  # its shared prompt blocks are not computed yet
-                    seq.prefix_of = None
+                if self._waits_for_prefix(seq):
+                    continue
                 todo = len(seq.token_ids) - seq.num_computed
                 if todo == 1:
                     if not self._reserve(seq, len(seq.token_ids), copies, items):
@@ -111,7 +109,7 @@ class Scheduler:
                     items.append(Scheduled(seq, 1))
                     budget -= 1
                 elif todo > 1 and min(budget, chunk) > 0 and prefills < self.max_prefill_batch_size:
-                    items.append(Scheduled(seq, min(todo, budget, chunk)))
+                    items.append(Scheduled(seq, min(self._prefill_todo(seq), budget, chunk)))
                     budget -= items[-1].num_tokens
                     chunk -= items[-1].num_tokens
                     prefills += 1
@@ -127,14 +125,33 @@ class Scheduler:
             for seq in live:
                 if min(budget, chunk) <= 0 or prefills >= self.max_prefill_batch_size:
                     break
-                if seq.prefix_of is not None and seq.prefix_of.num_computed < seq.num_computed:
+                if self._waits_for_prefix(seq):
                     continue
-                todo = len(seq.token_ids) - seq.num_computed
-                items.append(Scheduled(seq, min(todo, budget, chunk)))
+                items.append(Scheduled(seq, min(self._prefill_todo(seq), budget, chunk)))
                 budget -= items[-1].num_tokens
                 chunk -= items[-1].num_tokens
                 prefills += 1
         return Plan(items, copies)
+
+    @staticmethod
+    def _waits_for_prefix(seq: Sequence) -> bool:
+        """Is ``seq`` readmitted beside its request's first sequence, which has not yet computed
+        the prompt blocks they share?"""
+        if seq.prefix_of is None:
+            return False
+        if seq.prefix_of.num_computed < seq.num_computed:
+            return True
+        seq.prefix_of = None
+        return False
+
+    @staticmethod
+    def _prefill_todo(seq: Sequence) -> int:
+        """Tokens ``seq`` has left to prefill; a first sequence that others wait on stops at the
+        end of the blocks they share, so that all of a request's sequences reach their logits in
+        the same step (beam search scores its beams together)."""
+        if seq.share_until > seq.num_computed:
+            return seq.share_until - seq.num_computed
+        return len(seq.token_ids) - seq.num_computed
 
     def _admit(self, req: Request) -> bool:
         """Give every live sequence of ``req`` blocks for its tokens, using the prefix cache.
@@ -160,6 +177,7 @@ class Scheduler:
             done.append(lead)
             if req.first_scheduled == 0.0:
                 req.cached_tokens = min(cached, req.prompt_len)
+            lead.share_until = shared * self.blocks.block_size if others else 0
             for seq in others:
                 done.append(seq)
                 seq.table = self.blocks.share_prefix(lead.table, shared)
@@ -170,7 +188,7 @@ class Scheduler:
             for seq in done:
                 self.blocks.release(seq.table)
                 seq.num_computed = 0
-                seq.prefix_of = None
+                seq.prefix_of, seq.share_until = None, 0
             return False
         for seq in live:
             seq.status = Status.RUNNING
@@ -207,7 +225,7 @@ class Scheduler:
         for seq in req.sequences:
             self.blocks.release(seq.table)
             seq.num_computed = 0
-            seq.prefix_of = None
+            seq.prefix_of, seq.share_until = None, 0
             if not seq.finished:
                 seq.status = Status.WAITING
         heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._order), req))

@@ -64,6 +64,7 @@ class Sequence:
     # readmitted after preemption beside its request's first sequence: its first tokens' blocks are
     # that sequence's, and it waits until that one has computed them (Scheduler._admit)
     prefix_of: Optional[Sequence] = None
+    share_until: int = 0  # ... and the first one computes only up to here until they have started
     status: Status = Status.WAITING
     finish_reason: str = ""
     reported: bool = False  # its finishing output has been emitted
