@@ -115,6 +115,7 @@ def test_n_and_best_of(engine):
     assert all(o.completion_tokens == 6 for o in finals.values())
     assert len({r.text(i) for i in finals}) > 1
     assert all(o.cumulative_logprob < 0 for o in finals.values())
+    assert set(r.outputs[-1].batch_size) == {1}  # requests in the step, not sequences (spec §2.10)
 
 
 def test_logprobs_per_token(engine):

@@ -268,12 +268,13 @@ class Engine:
     def _postprocess(self, plan: Plan, owners: list[Sequence], result, step_start: float) -> None:
         now = time.monotonic()
         stepped: dict[int, Request] = {}
+        num_requests = plan.num_requests
         for it in plan.items:
             req = it.seq.request
             if id(req) not in stepped:
                 stepped[id(req)] = req
                 since = req.last_progress or req.arrival
-                req.batch_sizes.append(plan.num_sequences)
+                req.batch_sizes.append(num_requests)
                 req.queue_waits_us.append(int(max(0.0, step_start - since) * 1e6))
         for row, seq in enumerate(owners):
             if seq.request.done:

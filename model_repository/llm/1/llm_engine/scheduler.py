@@ -42,6 +42,11 @@ class Plan:
     def num_sequences(self) -> int:
         return len(self.items)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests in the step: MindIE's per-token ``batch_size`` (a request's sequences count once)."""
+        return len({id(it.seq.request) for it in self.items})
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_prefill_batch_size: int,
