@@ -14,7 +14,7 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from adapter.errors import incomplete_error, not_found_error
+from adapter.errors import INCOMPLETE, incomplete_error, not_found_error
 from adapter.service import Service, within
 from adapter.triton import TritonError
 
@@ -34,16 +34,32 @@ async def _ready(request: Request) -> bool:
     return await request.app.state.service.triton.ready()
 
 
+def _abnormal(request: Request) -> bool:
+    """Not ready after having been ready (Triton or the model's stub gone): spec §4's "abnormal",
+    which answers 500; before the model has been ready once, the service is initialising (503)."""
+    return request.app.state.service.triton.was_ready
+
+
+ABNORMAL = "Service is abnormal"
+
+
 @router.get("/health")
 async def health(request: Request):
     if _stopping(request):
         return JSONResponse({"error": "The service has been stopped", "error_type": "Service Unavailable"},
                             status_code=503)
-    return Response(status_code=200 if await _ready(request) else 503)
+    if await _ready(request):
+        return Response(status_code=200)
+    if _abnormal(request):
+        return JSONResponse({"error": f"{ABNORMAL}: the model is not ready", "error_type": INCOMPLETE},
+                            status_code=500)
+    return Response(status_code=503)
 
 
 @router.get("/v2/health/live")
 async def live(request: Request):
+    if _abnormal(request) and not _stopping(request) and not await _ready(request):
+        return JSONResponse({"message": ABNORMAL}, status_code=500)
     if request.app.state.admission.busy:  # alive, and says so (spec §4)
         return JSONResponse({"message": "Service is alive but busy"})
     return Response(status_code=200)
@@ -58,6 +74,8 @@ async def ready(request: Request):
                             status_code=503)
     if await _ready(request):
         return Response(status_code=200)
+    if _abnormal(request):
+        return JSONResponse({"message": ABNORMAL}, status_code=500)
     return JSONResponse({"message": "Model is not ready"}, status_code=503)
 
 
@@ -93,6 +111,8 @@ async def _timed(request: Request, seconds: int) -> Response:
     if _stopping(request):
         return healthy  # as MindIE: a stopping server is not probed
     if not await _ready(request):
+        if _abnormal(request):
+            raise incomplete_error(f"{ABNORMAL}: the model is not ready")
         return Response(status_code=503)
     svc: Service = request.app.state.service
     failure = await probe(svc, seconds)

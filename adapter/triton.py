@@ -149,6 +149,7 @@ class TritonClient:
         self._client: InferenceServerClient | None = None
         self._ready_cache: tuple[float, bool] = (0.0, False)
         self._broken_until = 0.0  # set when Triton reports the model's stub unhealthy
+        self.was_ready = False  # the model has been ready once: not ready now is abnormal, not starting
         self._ending: set[asyncio.Task] = set()  # streams read to their end after the final response
 
     def _get(self) -> InferenceServerClient:
@@ -175,6 +176,7 @@ class TritonClient:
         except Exception:
             ok = False
         self._ready_cache = (now, bool(ok))
+        self.was_ready = self.was_ready or bool(ok)
         return bool(ok)
 
     def invalidate(self) -> None:
@@ -183,6 +185,7 @@ class TritonClient:
     def _answered(self) -> None:
         """The model just finished a request: it is ready, whatever an older probe said."""
         self._ready_cache = (time.monotonic(), True)
+        self.was_ready = True
 
     async def generate(self, request_id: str, sampling: dict, *, prompt_ids: list[int] | None = None,
                        prompt_text: str | None = None, stream: bool = True,

@@ -103,7 +103,11 @@ def test_triton_unreachable_at_start_and_mid_run(stack, adapter_with):
         with httpx.stream("POST", a.url + "/infer", json={"inputs": "Hi", "stream": True}, timeout=60) as s:
             assert s.status_code == 500 and s.read().startswith(b'{"error":')  # before any stream byte
         assert time.monotonic() - started < 5
+        # never ready yet: initialising (spec §4), not abnormal
         assert httpx.get(a.url + "/v2/health/ready", timeout=10).status_code == 503
+        health = httpx.get(a.url + "/health", timeout=10)
+        assert (health.status_code, health.content) == (503, b"")
+        assert httpx.get(a.url + "/v2/health/live", timeout=10).status_code == 200
         # Triton comes: the adapter connects
         proxy.start()
         assert wait_for(lambda: _post(a.url).status_code == 200, timeout=30)
@@ -125,6 +129,14 @@ def test_triton_unreachable_at_start_and_mid_run(stack, adapter_with):
         t.join(30)
         assert not t.is_alive(), "the stream hung after Triton went away"
         assert '"error' in events[-1], events[-3:]
+        # ready once, not now: abnormal, 500 on every health route (spec §4)
+        assert wait_for(lambda: httpx.get(a.url + "/v2/health/ready", timeout=10).status_code == 500, timeout=10)
+        assert httpx.get(a.url + "/v2/health/ready", timeout=10).json() == {"message": "Service is abnormal"}
+        live = httpx.get(a.url + "/v2/health/live", timeout=10)
+        assert (live.status_code, live.json()) == (500, {"message": "Service is abnormal"})
+        health = httpx.get(a.url + "/health", timeout=10)
+        assert health.status_code == 500 and health.json()["error_type"] == "Incomplete Generation"
+        assert httpx.get(a.url + "/health/timed-1", timeout=10).status_code == 500
         started = time.monotonic()
         assert _post(a.url).status_code == 500
         assert time.monotonic() - started < 5
@@ -135,5 +147,7 @@ def test_triton_unreachable_at_start_and_mid_run(stack, adapter_with):
             time.sleep(0.5)
         proxy.start()
         assert wait_for(lambda: _post(a.url).status_code == 200, timeout=6)
+        assert httpx.get(a.url + "/v2/health/live", timeout=10).status_code == 200
+        assert wait_for(lambda: httpx.get(a.url + "/health", timeout=10).status_code == 200, timeout=10)
     finally:
         proxy.stop()

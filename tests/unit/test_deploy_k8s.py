@@ -85,6 +85,8 @@ def test_deployment_pod_contract():
         assert probe["httpGet"]["path"] in ADAPTER_ROUTES, kind
         assert probe["httpGet"]["port"] in ports, kind
     assert probes["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    live = probes["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 300, "a Triton restart reloads the model"
     assert probes["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     startup = probes["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load takes minutes"
