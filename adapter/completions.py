@@ -17,7 +17,7 @@ from adapter.protocol.completions import (
     CompletionStreamResponse,
     parse_completion_request,
 )
-from adapter.service import Service, json_response, until_disconnect
+from adapter.service import DeadlineExceeded, Service, json_response, until_disconnect
 from adapter.sse import DONE, event
 from adapter.triton import Chunk
 
@@ -80,10 +80,13 @@ async def completions(request: Request):
     if plan.stream and not plan.sampling.get("use_beam_search"):
         chunks = await svc.open_stream(request, svc.chunks(req_id, plan, stream=True))
         return svc.sse_response(_stream(svc, plan, req_id, chunks), req_id)
-    body = await until_disconnect(request, _collect(svc, plan, req_id))
     if plan.stream:  # beam search: a pseudo-stream with one event
+        try:
+            body = await until_disconnect(request, _collect(svc, plan, req_id, stream=True))
+        except DeadlineExceeded as exc:  # a timeout belongs to the stream: MindIE's raw text (spec §1.5)
+            return svc.sse_response(_raw(str(exc)), req_id)
         return svc.sse_response(_once(body), req_id)
-    return json_response(body)
+    return json_response(await until_disconnect(request, _collect(svc, plan, req_id)))
 
 
 async def _once(body: dict) -> AsyncIterator[bytes]:
@@ -91,9 +94,13 @@ async def _once(body: dict) -> AsyncIterator[bytes]:
     yield DONE
 
 
-async def _collect(svc: Service, plan: GenerationPlan, req_id: str) -> dict:
+async def _raw(text: str) -> AsyncIterator[bytes]:
+    yield text.encode()
+
+
+async def _collect(svc: Service, plan: GenerationPlan, req_id: str, stream: bool = False) -> dict:
     per_index: dict[int, list[Chunk]] = {}
-    async for chunk in svc.chunks(req_id, plan, stream=False):
+    async for chunk in svc.chunks(req_id, plan, stream=stream):
         per_index.setdefault(chunk.index, []).append(chunk)
     ordered = sorted(per_index.values(), key=lambda cs: cs[-1].cumulative_logprob, reverse=True)
     ordered = ordered[: plan.num_choices]

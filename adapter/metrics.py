@@ -35,6 +35,7 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         route = scope["path"]
         start = time.monotonic()
+        scope.setdefault("state", {})["arrival"] = start  # request.state.arrival: e2eTimeout counts from it
         status = 500
         first_body = True
 

@@ -150,7 +150,9 @@ class Service:
 
     async def begin(self, request: Request, parser: Callable) -> tuple[GenerationPlan, str]:
         """Read and validate a request body; return its plan and its request id."""
+        arrival = getattr(request.state, "arrival", None) or time.monotonic()  # MetricsMiddleware's
         plan = await self.plan(parser, await request.body())
+        plan.arrival = arrival
         return plan, self.request_id(request)
 
     async def plan(self, parser: Callable, raw: bytes) -> GenerationPlan:
@@ -210,7 +212,7 @@ class Service:
             # the engine's answer to an id outside the vocabulary; such an id cannot even travel as INT64
             raise generation_error(INVALID_INPUT_IDS)
         start = time.monotonic()
-        e2e_deadline = start + srv.e2eTimeout
+        e2e_deadline = (plan.arrival or start) + srv.e2eTimeout  # from arrival: reading and tokenizing count
         whole = None if stream else start + min(srv.tokenTimeout, client_timeout or srv.tokenTimeout)
         sampling = dict(plan.sampling)
         sampling.pop("timeout", None)  # deadlines are enforced here, per MindIE's rules

@@ -52,6 +52,7 @@ class GenerationPlan:
     details: bool = False  # /infer parameters.details
     num_choices: int = 1  # choices the response must contain (spec §2.4)
     logprobs: int | None = None
+    arrival: float | None = None  # time.monotonic() at the request's arrival (e2eTimeout counts from it)
 
 
 class ErrorResponse(BaseModel):

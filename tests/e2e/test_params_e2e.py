@@ -5,6 +5,7 @@ stream (spec §1.5) and fullTextEnabled on both endpoints (spec §1.7)."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -168,6 +169,18 @@ def test_a_timeout_inside_a_stream_is_raw_text(stack, adapter_with):
             assert b"[DONE]" not in raw
             events = sse(raw[: -len(tail)])
             assert events and all(e.startswith(b"{") for e in events)
+        beam = {"model": MODEL_NAME, "prompt": "Tell a long story", "max_tokens": 500, "ignore_eos": True,
+                "stream": True, "use_beam_search": True, "n": 2, "temperature": 1.0}
+        with c.stream("POST", "/v1/completions", json=beam) as r:  # the one-event pseudo-stream times out too
+            assert (r.status_code, r.read()) == (200, tail)
+
+        def slow_body():  # e2eTimeout counts from arrival: reading the body counts too
+            yield json.dumps({"model": MODEL_NAME, "prompt": "Hi"}).encode()[:-1]
+            time.sleep(1.2)
+            yield b', "max_tokens": 2}'
+
+        r = c.post("/v1/completions", content=slow_body(), headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["error"]) == (500, "Engine callback timeout: server e2eTimeout")
     # the deadline stopped the generations in the engine too
     assert wait_for(lambda: stack.engine_metric("llm_num_requests_running") == 0, timeout=10)
 
