@@ -164,8 +164,7 @@ def _check_text_inputs(inputs: Any, tokenize: Tokenize, resolver: media.Resolver
         media.check_structure(inputs)
         _check_length(len(json.dumps(inputs, ensure_ascii=False, separators=(",", ":"))))
         elements = media.validate_elements(inputs, resolver=resolver)
-        # the served model reads text only: media get a clear 422 once they pass validation
-        text = media.text_for_text_only_model(elements, reject_media=True)
+        text = media.text_for_text_only_model(elements)  # the served model reads text only
     else:
         raise validation_error("The type of inputs is abnormal")
     check_token_count(len(tokenize_text(tokenize, text)), L2_MESSAGE)

@@ -8,8 +8,7 @@ future downloader connects to exactly that address, without resolving again).
 
 Text-only models (spec §3.4, "Text-only models"): the array form is validated in
 full, then only the first element's text is used; it must be a text element.
-Other elements are ignored, as the spec says; ``reject_media=True`` in
-:func:`text_for_text_only_model` turns media into a 422 instead.
+Other elements, media included, are ignored, as MindIE's base tokenizer does.
 """
 
 from __future__ import annotations
@@ -127,15 +126,13 @@ def validate_elements(
     return elements
 
 
-def text_for_text_only_model(elements: list[InputElement], *, reject_media: bool = False) -> str:
-    """The first element's text; it must be a text element (spec §3.4)."""
+def text_for_text_only_model(elements: list[InputElement]) -> str:
+    """The first element's text; it must be a text element (spec §3.4). The others are ignored."""
     first = elements[0]
     if first.type != TEXT_KEY or first.text is None:
         raise validation_error(
             f"The first element of inputs must be a text element for a text-only model, got {first.type}"
         )
-    if reject_media and any(e.media is not None for e in elements):
-        raise validation_error("Media inputs are not supported by a text-only model")
     return first.text
 
 

@@ -112,6 +112,13 @@ def test_infer_multimodal_list_uses_first_text(client):
     r = client.post("/infer", json={"inputs": [{"type": "text", "text": "Hello"}],
                                     "parameters": {"max_new_tokens": 2}})
     assert r.status_code == 200 and "generated_text" in r.json()
+    # spec §3.4: a valid media element is validated, then ignored by a text-only model
+    png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg=="
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    with_media = client.post("/infer", json={"inputs": [{"type": "text", "text": "Hello"},
+                                                         {"type": "image_url", "image_url": png}], "parameters": greedy})
+    alone = client.post("/infer", json={"inputs": [{"type": "text", "text": "Hello"}], "parameters": greedy})
+    assert with_media.status_code == 200 and with_media.json() == alone.json()
     bad = client.post("/infer", json={"inputs": [{"type": "image_url", "image_url": "http://127.0.0.1/x.png"}]})
     assert bad.status_code == 422
 

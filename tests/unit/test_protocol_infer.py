@@ -292,7 +292,7 @@ def test_list_inputs_l1_uses_compact_json():
     )
 
 
-def test_text_only_model_uses_text_and_rejects_valid_media():
+def test_text_only_model_uses_the_first_text_and_ignores_valid_media():
     assert parse({"inputs": [{"type": "text", "text": "describe"}]}).prompt_text == "describe"
     assert parse({"inputs": [{"text": "typeless"}]}).prompt_text == "typeless"  # D20
     body = {
@@ -301,8 +301,7 @@ def test_text_only_model_uses_text_and_rejects_valid_media():
             {"type": "image_url", "image_url": PNG},
         ]
     }
-    err = error_of(body)
-    assert (err.status, err.message) == (422, "Media inputs are not supported by a text-only model")
+    assert parse(body).prompt_text == "describe"  # spec §3.4: validated, then ignored
 
 
 def test_media_urls_are_validated_for_text_only_models(monkeypatch):
@@ -316,9 +315,8 @@ def test_media_urls_are_validated_for_text_only_models(monkeypatch):
     assert error_of(body).message.startswith("The media URL domain is not allowed")
     monkeypatch.setenv("ALLOWED_MEDIA_DOMAINS_ENV", "cdn.example.com")
     assert "disallowed address 10.0.0.5" in error_of(body, resolver=lambda h: ["10.0.0.5"]).message
-    # a valid public, whitelisted URL passes the media rules, then meets the text-only model
-    assert error_of(body, resolver=lambda h: ["93.184.216.34"]).message == (
-        "Media inputs are not supported by a text-only model")
+    # a valid public, whitelisted URL passes the media rules and is ignored by the text-only model
+    assert parse(body, resolver=lambda h: ["93.184.216.34"]).prompt_text == "a"
 
 
 # ------------------------------------------------------------------ models
