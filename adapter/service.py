@@ -319,7 +319,8 @@ class BoundedStreamingResponse(StreamingResponse):
     """
 
     def __init__(self, events: AsyncIterator[bytes], request_id: str, write_timeout: float):
-        super().__init__(events, media_type="text/event-stream")
+        # exactly MindIE's header: given as media_type, Starlette would add "; charset=utf-8"
+        super().__init__(events, headers={"Content-Type": "text/event-stream"})
         self.request_id = request_id
         self.write_timeout = write_timeout
 
