@@ -106,10 +106,12 @@ class ModelSection(_Section):
                             "off: always the torch path")
     cpuLinearWeights: Literal["auto", "dense", "gguf"] = Field(
         "auto", description="gguf: where the model is a GGUF whose layer Linears are Q4_1 (the embedded default "
-                            "is), they read those 4-bit blocks (csrc/linear_q4.c; bfloat16 with the fused kernels on "
-                            "a CPU with AVX512-BF16), else dense with a warning; dense: the weights dequantised at "
-                            "load; auto (default): gguf where it applies, except on CPUs with AMX (not measured "
-                            "there), else dense")
+                            "is), they read those 4-bit blocks with the fused kernels: in bfloat16 on a CPU with "
+                            "AVX512-BF16 (csrc/linear_q4.c), or in float32 on one with AVX2, FMA and F16C for "
+                            "single rows (one stream) where that measured faster at load, batches keeping the dense "
+                            "weights (csrc/linear_q4_avx2.c); else dense with a warning; dense: the weights "
+                            "dequantised at load; auto (default): gguf where it applies, except on CPUs with AMX "
+                            "in bfloat16 (not measured there), else dense")
 
     @field_validator("modelName")
     @classmethod

@@ -1,5 +1,6 @@
-"""A GGUF checkpoint's own quantised blocks: the decoder Linears' Q4_1 (``csrc/linear_q4.c``)
-and the lm_head's Q8_0 (``csrc/linear_q8.c``).
+"""A GGUF checkpoint's own quantised blocks: the decoder Linears' Q4_1 (``csrc/linear_q4.c``;
+in float32 ``csrc/linear_q4_avx2.c``, for single rows) and the lm_head's Q8_0
+(``csrc/linear_q8.c``).
 
 The engine normally runs on the float weights transformers dequantises a GGUF into
 (:mod:`.weights` caches them as an HF folder). With ``ModelConfig.cpuLinearWeights``
@@ -9,8 +10,8 @@ projections, and for the lm_head the Q8_0 blocks of ``output.weight`` or, where 
 tied, of ``token_embd.weight``. Reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead
 of bfloat16's 2 is what a few streams wait on.
 
-Each projection's and the head's blocks are checked at load: dequantised and rounded to bfloat16 they
-must equal, bit for bit, the weight the model loaded. That proves the tensor names, the
+Each projection's and the head's blocks are checked at load: dequantised (and rounded to
+bfloat16 where the model runs in it) they must equal, bit for bit, the weight the model loaded. That proves the tensor names, the
 row order (llama.cpp permutes the rows of q and k for its rotary layout; transformers
 undoes it) and the concatenation, for any model; a projection that fails keeps its
 dense weight.
@@ -103,13 +104,17 @@ def read_lm_head(source: Path | GgufFile) -> np.ndarray | None:
 
 def decodes_to(blocks: np.ndarray, weight: torch.Tensor, ops, kind: str = "q4_1") -> bool:
     """Do ``blocks`` of ``kind`` (``q4_1``: float32 ``d * q + m``; ``q8_0``: ``d * q``, as gguf-py
-    dequantises them) round to exactly the bfloat16 ``weight``? ``ops``:
-    :class:`~llm_engine.cpu_ops.CpuOps` with that kind's kernels."""
+    dequantises them) give exactly ``weight``: bfloat16 (rounded to it), or float32 for
+    ``q4_1``? ``ops``: :class:`~llm_engine.cpu_ops.CpuOps` of the weight's dtype with that
+    kind's kernels."""
     n, k = weight.shape
-    block_bytes, dequantize = {"q4_1": (Q4_1_BLOCK_BYTES, ops.q4_dequantize),
-                               "q8_0": (Q8_0_BLOCK_BYTES, ops.q8_dequantize)}[kind]
-    if (weight.dtype != torch.bfloat16 or not ops.q4_fits(n, k)
-            or blocks.shape != (n, k // 32 * block_bytes)):
+    block_bytes, dequantize = {
+        ("q4_1", torch.bfloat16): (Q4_1_BLOCK_BYTES, ops.q4_dequantize),
+        ("q4_1", torch.float32): (Q4_1_BLOCK_BYTES, ops.q4_dequantize),
+        ("q8_0", torch.bfloat16): (Q8_0_BLOCK_BYTES, ops.q8_dequantize),
+    }.get((kind, weight.dtype), (0, None))
+    if dequantize is None or not ops.q4_fits(n, k) or blocks.shape != (n, k // 32 * block_bytes):
         return False
     dense = dequantize(torch.from_numpy(blocks), n, k)
-    return torch.equal(dense.view(torch.int16), weight.detach().cpu().view(torch.int16))
+    bits = torch.int16 if weight.dtype == torch.bfloat16 else torch.int32
+    return torch.equal(dense.view(bits), weight.detach().cpu().view(bits))

@@ -4,10 +4,13 @@ on the best kernel its weight fits.
 At small batch each matmul call costs more in overhead than in arithmetic, so fusing them
 is most of the single-stream speed. Every projection becomes a :func:`~.linear.make_linear`
 (prepacked where the device gains from it), or, where the model came from a GGUF whose
-layer Linears are Q4_1 and the runner can use them, a :class:`~.linear.PackedQ4Linear` on
-the file's own blocks, and the lm_head a :class:`~.linear.PackedQ8Linear` on its Q8_0 blocks
-(``ModelConfig.cpuLinearWeights``; :mod:`.gguf_blocks`). The original
-modules are dropped, so the weights are held once; the tied embedding stays.
+layer Linears are Q4_1 and the runner can use them, in bfloat16 a
+:class:`~.linear.PackedQ4Linear` on the file's own blocks, and the lm_head a
+:class:`~.linear.PackedQ8Linear` on its Q8_0 blocks; in float32 an
+:class:`~.linear.Fp32Linear` that also holds the Q4_1 blocks for single rows, where
+:func:`~.linear.choose_fp32_kernels` finds them faster (``ModelConfig.cpuLinearWeights``;
+:mod:`.gguf_blocks`). The original modules are dropped, so the weights are held once (plus
+those blocks); the tied embedding stays.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from . import gguf_blocks
 from .linear import (
+    Fp32Linear,
     Linear,
     PackedBf16Linear,
     PackedQ4Linear,
@@ -60,6 +64,9 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
         """On ``blocks`` where given, the kernel fits the shape and they decode to exactly
         ``weight``; else :func:`make_linear`."""
         nonlocal weight_bytes
+        if blocks is not None and dtype == torch.float32:  # dense, and blocks for single rows
+            weight_bytes += weight.numel() * size
+            return _fp32_projection(weight, bias, blocks, ops)
         if blocks is not None and ops.q4_fits(*weight.shape):
             if gguf_blocks.decodes_to(blocks, weight, ops):
                 linear = PackedQ4Linear(torch.from_numpy(blocks), *weight.shape, bias, ops)
@@ -93,10 +100,18 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
         weight_bytes += lm_head.bytes_per_row
     linears = [*qkv, *o_proj, *gate_up, *down, lm_head]
     choose_fp32_kernels(linears, ops)
+    fp32 = [lin for lin in linears if isinstance(lin, Fp32Linear)]
+    weight_bytes -= sum(lin.shape[0] * lin.shape[1] * 4 - lin.one_row_bytes() for lin in fp32)  # Q4_1 chosen
     if packed := sum(isinstance(lin, PackedBf16Linear | PackedQ8Linear) for lin in linears):
         extra = head.weight.numel() * 2 / 2**20 if isinstance(lm_head, PackedBf16Linear | PackedQ8Linear) else 0.0
         log.info("bfloat16 matmuls on the fused %s kernel: %d of %d (the lm_head's weight stays beside its "
                  "packed copy: %.0f MiB more)", ops.bf16_kernel, packed, len(linears), extra)
+    if q4 and dtype == torch.float32:
+        q4_rows = [lin for lin in fp32 if lin.blocks is not None]
+        log.info("decoder Linears on GGUF Q4_1 blocks for single rows (cpuLinearWeights): %d of %d, %.0f MiB "
+                 "beside the dense weights for batches%s", len(q4_rows), len(linears),
+                 sum(lin.blocks.numel() for lin in q4_rows) / 2**20,
+                 "" if q4_rows else " (the float32 kernels were faster here)")
     if q4s := [lin for lin in linears if isinstance(lin, PackedQ4Linear)]:
         log.info("decoder Linears on GGUF Q4_1 blocks (cpuLinearWeights): %d of %d, %.0f MiB", len(q4s),
                  len(linears), sum(lin.packed.numel() for lin in q4s) / 2**20)
@@ -105,6 +120,20 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
                  "against %.0f, held beside the packed bfloat16 weight", lm_head.NARROW_ROWS,
                  lm_head.bytes_per_row / 2**20, head.weight.numel() * 2 / 2**20)
     return Projections(qkv, o_proj, gate_up, down, lm_head, intermediate, weight_bytes)
+
+
+def _fp32_projection(weight: torch.Tensor, bias: torch.Tensor | None, blocks, ops) -> Linear:
+    """A float32 projection that also holds its Q4_1 ``blocks`` (for single rows, should
+    :func:`choose_fp32_kernels` pick them) where they decode to exactly ``weight``."""
+    linear = make_linear(weight, bias, ops)
+    if not isinstance(linear, Fp32Linear) or linear.packed is None or not ops.q4_fits(*weight.shape):
+        return linear  # no prepacked kernel for batches: choose_fp32_kernels leaves it plain
+    if gguf_blocks.decodes_to(blocks, weight, ops):
+        linear.add_q4(torch.from_numpy(blocks), ops)
+    else:
+        log.warning("cpuLinearWeights: a %dx%d projection's Q4_1 blocks do not decode to the loaded weight; it "
+                    "keeps the dense weight", *weight.shape)
+    return linear
 
 
 def _q8_head(head: torch.nn.Linear, blocks, ops) -> PackedQ8Linear | None:
@@ -127,11 +156,11 @@ def _usable_gguf(source: Path | None, required: bool, ops, dtype: torch.dtype, d
     """``source``, opened once, where these kernels can use its blocks."""
     if source is None:
         return None
-    if ops is None or dtype != torch.bfloat16 or not ops.has_linear_q4:
+    if ops is None or not ops.has_linear_q4:
         (log.warning if required else log.debug)(
-            "cpuLinearWeights gguf needs the fused CPU kernels in bfloat16 on a CPU with AVX512-BF16 (here: "
-            "device %s, dtype %s, the Q4_1 kernel %s); dense weights are used", device.type,
-            str(dtype).removeprefix("torch."), "built" if ops is not None and ops.has_linear_q4 else "not built")
+            "cpuLinearWeights gguf needs the fused CPU kernels, in bfloat16 on a CPU with AVX512-BF16 or in "
+            "float32 on one with AVX2, FMA and F16C (here: device %s, dtype %s, its Q4_1 kernel %s); dense weights "
+            "are used", device.type, str(dtype).removeprefix("torch."), "not built" if ops else "absent")
         return None
     if not required and ops.bf16_kernel == "amx":
         log.info("cpuLinearWeights auto: dense weights on this AMX CPU (the Q4_1 kernel was measured against "
