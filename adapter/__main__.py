@@ -27,6 +27,7 @@ MAX_HEADER_BYTES = 16 * 1024  # h11 rejects a request whose head (all headers) i
 # (MiBs) for a client that stops reading; fixed, a stalled stream blocks soon, and after
 # streamWriteTimeout the adapter cancels it. Token streams need only a few KiB/s.
 SEND_BUFFER_BYTES = 256 * 1024
+UVICORN_HEADROOM = 64  # connections beyond 3 x maxLinkNum: health probes, metrics, the answers that shed load
 
 
 class DrainingServer(uvicorn.Server):
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(
         app, host=planes[0].host, port=planes[0].port, log_level="info", access_log=False,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, http="h11",
-        limit_concurrency=srv.maxLinkNum * 3, timeout_graceful_shutdown=5, **ssl,
+        # a last bound on connections, above what the admission guard lets run and wait (3 x
+        # maxLinkNum), so that overload gets the guard's 503 + Retry-After and health probes answer
+        limit_concurrency=srv.maxLinkNum * 3 + UVICORN_HEADROOM, timeout_graceful_shutdown=5, **ssl,
     )
     sockets = [_listen(listener, srv.streamWriteTimeout) for listener in planes]
     for listener in planes:

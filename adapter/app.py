@@ -12,8 +12,9 @@ from llm_engine.config import Settings
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapter import completions, infer, management, mindie_metrics, openapi, stop_infer
+from adapter.admission import AdmissionState
 from adapter.errors import MindIEError, error_body, not_found_error
-from adapter.guards import Admission, AdmissionState, ApiKey, BodyLimit, HeaderLimit
+from adapter.guards import Admission, ApiKey, BodyLimit, HeaderLimit
 from adapter.metrics import MetricsMiddleware
 from adapter.planes import PlaneFilter, listeners
 from adapter.service import ClientGone, Service
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings, tokenizer=None) -> FastAPI:
-    admission = AdmissionState(settings.server.maxLinkNum)
+    admission = AdmissionState(settings.server.maxLinkNum, max_wait=settings.server.e2eTimeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -6,14 +6,17 @@
   so a huge body is never buffered.
 * API key: when set, every route except liveness needs ``Authorization: Bearer <key>``
   (or ``X-API-Key``); compared in constant time and never logged.
-* Admission: at most ``maxLinkNum`` inference requests run at once; past that the
-  answer is an immediate 503 with ``Retry-After``. While stopping, 503 too.
+* Admission: at most ``maxLinkNum`` inference requests run at once and ``2 × maxLinkNum``
+  wait for a slot (:mod:`adapter.admission`); past that the answer is an immediate 503
+  with ``Retry-After``. While stopping, 503 too.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+
+from adapter.admission import AdmissionState
 
 INFERENCE_PATHS = ("/v1/completions", "/infer", "/infer_token")  # /infer_token: the same handler as /infer
 OPEN_PATHS = ("/v2/health/live",)
@@ -123,27 +126,16 @@ class Admission:
             return await _send_json(send, 503, {"error": "The service has been stopped",
                                                 "error_type": "Service Unavailable"},
                                     [(b"retry-after", b"5")])
-        if self.state.busy:
-            return await _send_json(send, 503, {"error": f"Too many requests in flight (maxLinkNum "
-                                                         f"{self.state.limit}); retry later",
+        if not await self.state.acquire():
+            return await _send_json(send, 503, {"error": f"Too many requests (maxLinkNum {self.state.limit} "
+                                                         f"running, {self.state.waiting} waiting); retry later",
                                                 "error_type": "Service Unavailable"},
                                     [(b"retry-after", b"1")])
-        self.state.in_flight += 1
         try:
+            if self.state.stopping:  # it waited while the service began to stop
+                return await _send_json(send, 503, {"error": "The service has been stopped",
+                                                    "error_type": "Service Unavailable"},
+                                        [(b"retry-after", b"5")])
             await self.app(scope, receive, send)
         finally:
-            self.state.in_flight -= 1
-
-
-class AdmissionState:
-    """What the admission guard and the health routes share: stopping, requests in flight, maxLinkNum."""
-
-    def __init__(self, limit: int = 0) -> None:
-        self.stopping = False
-        self.in_flight = 0
-        self.limit = limit  # maxLinkNum; 0: no limit
-
-    @property
-    def busy(self) -> bool:
-        """Every inference slot is taken: a new request would get 503 (MindIE's busy state)."""
-        return bool(self.limit) and self.in_flight >= self.limit
+            self.state.release()

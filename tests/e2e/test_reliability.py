@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -220,7 +221,9 @@ def test_infer_client_timeout(client):
     assert r.json() == {"error": "Engine callback timeout: client timeout", "error_type": "Incomplete Generation"}
 
 
-def test_overload_is_an_immediate_503_with_retry_after(adapter_with):
+def test_past_maxlinknum_requests_wait_and_past_the_queue_get_an_immediate_503(adapter_with):
+    """maxLinkNum 1: one runs, two wait in a queue (spec §1.1: 2 x maxLinkNum) and are served
+    in turn, and a fourth is turned away at once with 503 + Retry-After."""
     a = adapter_with(maxLinkNum=1)
     a.wait()
     with httpx.Client(timeout=60) as c, c.stream(
@@ -228,16 +231,21 @@ def test_overload_is_an_immediate_503_with_retry_after(adapter_with):
         assert first.status_code == 200
         events = first.iter_lines()
         assert next(events).startswith("data: ")  # generating: it holds the only link
-        t0 = time.monotonic()
-        r = httpx.post(a.url + "/v1/completions", json=GOOD, timeout=10)
-        assert r.status_code == 503 and r.headers["retry-after"]
-        assert time.monotonic() - t0 < 1
-        # spec §4's busy state: alive, but not ready for more traffic
-        live, ready = httpx.get(a.url + "/v2/health/live"), httpx.get(a.url + "/v2/health/ready")
-        assert (live.status_code, live.json()) == (200, {"message": "Service is alive but busy"})
-        assert (ready.status_code, ready.json()) == (
-            503, {"message": "Service is alive but busy. Consider reducing request frequency"})
-        assert [line for line in events if line][-1] == "data: [DONE]"  # the first one was not disturbed
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            queued = [pool.submit(httpx.post, a.url + "/v1/completions", json=GOOD, timeout=60) for _ in range(2)]
+            time.sleep(1.0)  # both queued by now
+            t0 = time.monotonic()
+            r = httpx.post(a.url + "/v1/completions", json=GOOD, timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            assert "2 waiting" in r.json()["error"] and time.monotonic() - t0 < 1
+            # spec §4's busy state: alive, but not ready for more traffic
+            live, ready = httpx.get(a.url + "/v2/health/live"), httpx.get(a.url + "/v2/health/ready")
+            assert (live.status_code, live.json()) == (200, {"message": "Service is alive but busy"})
+            assert (ready.status_code, ready.json()) == (
+                503, {"message": "Service is alive but busy. Consider reducing request frequency"})
+            assert not any(f.done() for f in queued)  # still waiting for the link
+            assert [line for line in events if line][-1] == "data: [DONE]"  # the first one was not disturbed
+            assert [f.result().status_code for f in queued] == [200, 200]
     assert httpx.post(a.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
     assert httpx.get(a.url + "/v2/health/ready").status_code == 200
 
