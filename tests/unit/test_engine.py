@@ -71,6 +71,27 @@ def test_stop_string_spanning_tokens(engine):
         assert stop not in o.text
 
 
+def test_steps_held_back_for_a_stop_string_are_released_as_separate_events(engine):
+    """Spec §2.7.1: a stream holds steps back while a stop string could be starting, then
+    releases them as separate events. With a stop string whose start keeps appearing but
+    which never matches, the events (one token, its text and logprob each) are those of the
+    same request without it; with one that matches, they are those events cut at the match."""
+    prompt = "The capital of France is"
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    plain = Run(engine, prompt, **params).wait().outputs
+    text = "".join(o.text for o in plain)
+    k = next(i for i in range(1, len(plain) - 1) if plain[i].text and len(plain[i + 1].text) > 1)
+    never = plain[k].text[-1] + "\x00never"  # held at step k's end, ruled out by step k + 1
+    held = Run(engine, prompt, stop=[never], **params).wait().outputs
+    assert [(o.text, o.token_ids, o.logprobs[0]["token"]) for o in held] == [
+        (o.text, o.token_ids, o.logprobs[0]["token"]) for o in plain]
+    stop = plain[k].text[-1] + plain[k + 1].text[:2]  # held at step k, matched in step k + 1
+    cut = Run(engine, prompt, stop=[stop], **params).wait().outputs
+    assert all(len(o.token_ids) == 1 for o in cut)
+    assert [o.token_ids for o in cut] == [o.token_ids for o in plain[:len(cut)]]
+    assert "".join(o.text for o in cut) == text[:text.index(stop)] and cut[-1].finish_reason == "stop"
+
+
 def test_text_held_back_for_a_stop_string_is_kept_when_a_stop_token_ends(engine):
     """The last characters may be the start of a stop string, so they are held back; when a
     stop token (or EOS) then ends the sequence, they are part of the output after all."""

@@ -52,3 +52,11 @@ def test_stop_tokens_and_eos():
 def test_no_stops_passes_through():
     sc = StopChecker([], [], [], False, False)
     assert sc.feed("abc") == ("abc", False)
+
+
+def test_released_text_is_split_back_into_its_steps():
+    from llm_engine.outputs import split_text
+
+    assert split_text("abcdef", [2, 0, 3, 1]) == ["ab", "", "cde", "f"]
+    assert split_text("abc", [2, 3, 1]) == ["ab", "c", ""]  # cut by a stop string
+    assert split_text("abcdé", [2, 2]) == ["ab", "cdé"]  # the end flushed an unfinished character

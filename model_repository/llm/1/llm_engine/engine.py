@@ -24,7 +24,7 @@ from .detokenizer import IncrementalDetokenizer
 from .device import use_in_this_thread
 from .errors import EngineError, Overloaded, RequestTimeout
 from .kv_cache import BlockManager
-from .outputs import TokenTexts, logprob_entry, step_output
+from .outputs import TokenTexts, logprob_entry, step_output, step_outputs
 from .runner import ModelRunner, StepInput
 from .sampler import RowSpec, sample
 from .scheduler import Plan, Scheduler
@@ -326,10 +326,12 @@ class Engine:
         seq.cumulative_logprob += logprob
         seq.pending_ids.append(token)
         if seq.stopper.is_stop_token(token):
+            seq.pending_lens.append(0)
             text = self._held_back_text(seq)
             self._finish(seq, contract.FINISH_STOP)
         else:
             new = seq.detok.step(token)
+            seq.pending_lens.append(len(new))
             text, matched = seq.stopper.feed(new)
             if matched:
                 self._finish(seq, contract.FINISH_STOP)
@@ -362,9 +364,9 @@ class Engine:
             finishing = seq.finished
             if not req.stream and not finishing:
                 continue
-            if not seq.pending_ids and not finishing:
-                continue
-            outputs.append(step_output(seq, finishing))
+            if not finishing and (not seq.pending_ids or (req.stream and seq.stopper.holding)):
+                continue  # nothing new, or a stop string may be starting: those steps go out once it is not
+            outputs.extend(step_outputs(seq, finishing) if req.stream else [step_output(seq, finishing)])
         if all_done:
             self.scheduler.remove(req)
             req.done = True

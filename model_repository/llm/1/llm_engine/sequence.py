@@ -74,6 +74,7 @@ class Sequence:
     pending_text: str = ""  # not yet sent (non-stream mode, or between sends)
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[dict] = field(default_factory=list)
+    pending_lens: list[int] = field(default_factory=list)  # each pending step's decoded text length
     token_logprobs: list[float] = field(default_factory=list)  # beam search keeps its own history
     token_tops: list[list] = field(default_factory=list)  # beam search: each token's top alternatives
 

@@ -19,6 +19,11 @@ class StopChecker:
         self.include = include_stop_str_in_output
         self.buffer = ""
 
+    @property
+    def holding(self) -> bool:
+        """Is text held back, as the possible start of a stop string?"""
+        return bool(self.buffer)
+
     def is_stop_token(self, token_id: int) -> bool:
         return token_id in self.stop_ids or token_id in self.eos_ids
 
