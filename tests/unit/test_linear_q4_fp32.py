@@ -43,8 +43,8 @@ def test_the_q4_row_kernel_matches_f_linear_on_the_dequantized_weight_with_and_w
     assert packed.numel() == blocks.size  # the blocks' own 0.625 bytes a weight
     for seed in range(3):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed))
-        _close_to_dense(ops.linear_row(x, packed, None, n), F.linear(x, w))
-        _close_to_dense(ops.linear_row(x, packed, bias, n), F.linear(x, w, bias))
+        _close_to_dense(ops.linear_row_blocks("q4", x, packed, n, None), F.linear(x, w))
+        _close_to_dense(ops.linear_row_blocks("q4", x, packed, n, bias), F.linear(x, w, bias))
 
 
 def test_q4_dequantizing_in_float32_gives_the_bits_of_gguf_py():
@@ -61,9 +61,9 @@ def test_a_q4_row_has_the_same_bits_on_one_thread_and_on_several():
     packed, x = ops.q4_pack(torch.from_numpy(blocks), 3072, 576), torch.randn(1, 576)
     try:
         ops.set_threads(1)
-        one = ops.linear_row(x, packed, None, 3072)
+        one = ops.linear_row_blocks("q4", x, packed, 3072, None)
         ops.set_threads(max(2, torch.get_num_threads()))
-        assert torch.equal(ops.linear_row(x, packed, None, 3072), one)
+        assert torch.equal(ops.linear_row_blocks("q4", x, packed, 3072, None), one)
     finally:
         ops.set_threads(torch.get_num_threads())
 
@@ -74,7 +74,7 @@ def _q4_linear(n: int, k: int, seed: int, ops) -> tuple[Fp32Linear, torch.Tensor
     lin = make_linear(w, b, ops)
     if not isinstance(lin, Fp32Linear) or lin.packed is None:
         pytest.skip("no oneDNN prepacking in this torch build")
-    lin.add_q4(torch.from_numpy(blocks), ops)
+    lin.add_blocks("q4", torch.from_numpy(blocks), ops)
     return lin, w, b
 
 
@@ -97,8 +97,8 @@ def test_choose_fp32_kernels_takes_the_q4_blocks_for_single_rows_only_where_they
     monkeypatch, q4_cost, expect
 ):
     """The blocks are a second weight form beside the prepacked one: they must win by
-    FP32_GAIN. A Linear without blocks (the lm_head) gets the fused kernel where the others
-    get the Q4 one."""
+    FP32_GAIN. A Linear without blocks is timed and chosen for apart (here prepacked: the
+    fused kernel does not win by FP32_GAIN)."""
     ops = _q4_row_ops()
     clock = {"t": 0.0}
     costs = {
@@ -129,7 +129,7 @@ def test_choose_fp32_kernels_takes_the_q4_blocks_for_single_rows_only_where_they
     for lin in layers:
         assert lin.kinds == ("prepacked", expect)
         assert (lin.blocks is not None) == (expect == "q4") and lin.weight is None
-    assert head.kinds == ("prepacked", "fused" if expect == "q4" else "prepacked")
+    assert head.kinds == ("prepacked", "prepacked") and head.blocks is None
 
 
 def test_a_float32_engine_reads_the_gguf_q4_blocks_for_single_rows_and_answers_like_the_dense_one():
@@ -144,9 +144,11 @@ def test_a_float32_engine_reads_the_gguf_q4_blocks_for_single_rows_and_answers_l
         on_q4 = [lin.kinds[1] == "q4" for lin in projections]
         assert all(on_q4) or not any(on_q4)
         assert all((lin.blocks is not None) == q for lin, q in zip(projections, on_q4))
-        dense_bytes = (106_168_320 + 49152 * 576) * 4
-        q4_bytes = 106_168_320 * 5 // 8 + 49152 * 576 * 4
-        assert runner.weight_bytes_per_token() == (q4_bytes if all(on_q4) else dense_bytes)
+        head = runner.lm_head  # its Q8_0 blocks likewise (csrc/linear_q8_avx2.c; test_linear_q8_fp32.py)
+        assert isinstance(head, Fp32Linear) and (head.blocks is not None) == (head.kinds[1] == "q8")
+        layer_bytes = 106_168_320 * 5 // 8 if all(on_q4) else 106_168_320 * 4
+        head_bytes = 49152 * 576 * 17 // 16 if head.kinds[1] == "q8" else 49152 * 576 * 4
+        assert runner.weight_bytes_per_token() == layer_bytes + head_bytes
         req = dict(max_tokens=6, temperature=0, ignore_eos=True)
         got = Run(q4, "The capital of France is", **req).wait().text()
     finally:

@@ -109,7 +109,8 @@ class ModelSection(_Section):
                             "is), they read those 4-bit blocks with the fused kernels: in bfloat16 on a CPU with "
                             "AVX512-BF16 (csrc/linear_q4.c), or in float32 on one with AVX2, FMA and F16C for "
                             "single rows (one stream) where that measured faster at load, batches keeping the dense "
-                            "weights (csrc/linear_q4_avx2.c); else dense with a warning; dense: the weights "
+                            "weights (csrc/linear_q4_avx2.c; a Q8_0 lm_head likewise, csrc/linear_q8_avx2.c); else "
+                            "dense with a warning; dense: the weights "
                             "dequantised at load; auto (default): gguf where it applies, except on CPUs with AMX "
                             "in bfloat16 (not measured there), else dense")
 

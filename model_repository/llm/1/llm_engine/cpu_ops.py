@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 
 from .cpu_cores import c_compiler
+from .cpu_ops_gguf import GgufBlockOps
 from .weights import cache_root
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "linear_q4.c", "linear_q8.c",
-                         "linear_q4_avx2.c", "decoder_layers.c")]
+                         "linear_q4_avx2.c", "linear_q8_avx2.c", "decoder_layers.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "bf16_linear.h"]  # in the build key, not compiled alone
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
@@ -131,8 +132,9 @@ def ptr_or_none(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class CpuOps:
-    """The kernels of one dtype; tensors must be contiguous and on the CPU."""
+class CpuOps(GgufBlockOps):
+    """The kernels of one dtype; tensors must be contiguous and on the CPU (those on GGUF
+    blocks: :class:`~.cpu_ops_gguf.GgufBlockOps`)."""
 
     def __init__(self, lib: ctypes.PyDLL, lib_nogil: ctypes.CDLL, dtype: torch.dtype):
         suffix = _SUFFIX[dtype]
@@ -147,7 +149,7 @@ class CpuOps:
         self._argmax_logsumexp = bind("argmax_logsumexp_f32", [_P, _I, _I, _P, _P])  # logits: float32 always
         for name, argtypes in _SIGNATURES.items():
             setattr(self, f"_{name}", bind(f"{name}_{suffix}", argtypes))
-        self._linear_row = self._linear_bf16 = self._linear_q4_row = None
+        self._linear_row = self._linear_bf16 = None
         self.bf16_kernel: str | None = None  # a key of _BF16_LINEARS: what linear_bf16 runs on
         if dtype == torch.float32:
             self._linear_row = bind("linear_row_f32", [_P, _P, _P, _P, _I, _I])
@@ -155,20 +157,7 @@ class CpuOps:
             self.bf16_kernel = next((kind for kind, (symbol, _) in _BF16_LINEARS.items()
                                      if bind(f"{symbol}_init", [], ctypes.c_int)()), None)
         self._decoder_layers = None
-        self._linear_q4 = self._q4_pack = None
-        if dtype == torch.bfloat16 and bind("linear_q4_bf16_init", [], ctypes.c_int)():
-            self._linear_q4 = bind("linear_q4_bf16", [_P, _P, _P, _P, _I, _I, _I])
-            self._q4_pack = bind("linear_q4_bf16_pack", [_P, _P, _I, _I])
-            self._q4_dequantize = bind("linear_q4_bf16_dequantize", [_P, _P, _I, _I])
-        if dtype == torch.float32 and bind("linear_q4_f32_init", [], ctypes.c_int)():
-            self._linear_q4_row = bind("linear_q4_f32_row", [_P, _P, _P, _P, _I, _I])
-            self._q4_pack = bind("linear_q4_f32_pack", [_P, _P, _I, _I])
-            self._q4_dequantize = bind("linear_q4_f32_dequantize", [_P, _P, _I, _I])
-        self._linear_q8 = None
-        if dtype == torch.bfloat16 and bind("linear_q8_bf16_init", [], ctypes.c_int)():
-            self._linear_q8 = bind("linear_q8_bf16", [_P, _P, _P, _P, _I, _I, _I])
-            self._q8_pack = bind("linear_q8_bf16_pack", [_P, _P, _I, _I])
-            self._q8_dequantize = bind("linear_q8_bf16_dequantize", [_P, _P, _I, _I])
+        self._bind_gguf(bind)
         if self.bf16_kernel:
             symbol = _BF16_LINEARS[self.bf16_kernel][0]
             self._linear_bf16 = bind(symbol, [_P, _P, _P, _P, _I, _I, _I])
@@ -179,11 +168,6 @@ class CpuOps:
     def linear_bf16_address(self) -> int | None:
         """The bfloat16 Linear's C function, for kernels that call it themselves."""
         return ctypes.cast(self._linear_bf16, ctypes.c_void_p).value if self._linear_bf16 else None
-
-    @property
-    def linear_q4_address(self) -> int | None:
-        """The Q4_1 Linear's C function (same signature as the bfloat16 one), or None."""
-        return ctypes.cast(self._linear_q4, ctypes.c_void_p).value if self._linear_q4 else None
 
     def decoder_layers(self, model: ctypes.Structure, step: ctypes.Structure) -> None:
         """Every decoder layer of a bfloat16 step (``csrc/decoder_layers.c``; see :mod:`.fused_layers`)."""
@@ -234,14 +218,13 @@ class CpuOps:
     def has_linear_row(self) -> bool:
         return self._linear_row is not None
 
-    def linear_row(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int | None = None
-                   ) -> torch.Tensor:
-        """``x @ weight.T + bias`` for one float32 row ``x [1, K]`` and ``weight [N, K]``, or with
-        ``n`` outputs from the Q4_1 blocks of :meth:`q4_pack` (up to float32 rounding)."""
+    def linear_row(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for one float32 row ``x [1, K]`` and ``weight [N, K]`` (on GGUF
+        blocks: :meth:`linear_row_blocks`)."""
         x = x.contiguous()
-        kernel, n = (self._linear_row, weight.shape[0]) if n is None else (self._linear_q4_row, n)
-        out = torch.empty(1, n, dtype=torch.float32)
-        kernel(x.data_ptr(), weight.data_ptr(), ptr_or_none(bias), out.data_ptr(), n, x.shape[1])
+        out = torch.empty(1, weight.shape[0], dtype=torch.float32)
+        self._linear_row(x.data_ptr(), weight.data_ptr(), ptr_or_none(bias), out.data_ptr(), weight.shape[0],
+                         weight.shape[1])
         return out
 
     def bf16_fits(self, weight: torch.Tensor) -> bool:
@@ -267,91 +250,6 @@ class CpuOps:
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
             self._linear_bf16(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, k)
-        return out
-
-    @property
-    def has_linear_q4(self) -> bool:
-        """Is this dtype's GGUF Q4_1 Linear built here: :meth:`linear_q4` (``csrc/linear_q4.c``,
-        AVX512-BF16), or in float32 :meth:`linear_row` on Q4_1 blocks for single rows
-        (``csrc/linear_q4_avx2.c``, AVX2 with FMA and F16C)?"""
-        return self._linear_q4 is not None or self._linear_q4_row is not None
-
-    @property
-    def has_linear_q8(self) -> bool:
-        """Is the GGUF Q8_0 Linear (``csrc/linear_q8.c``, AVX512-BF16) built here?"""
-        return self._linear_q8 is not None
-
-    @staticmethod
-    def q4_fits(n: int, k: int) -> bool:
-        """Can :meth:`linear_q4`, :meth:`linear_q8` or :meth:`linear_row` on Q4_1 blocks serve an
-        ``[n, k]`` weight (whole blocks of 16 outputs and 32 inputs)?"""
-        return n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0
-
-    q8_fits = q4_fits
-
-    def q4_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """GGUF Q4_1 blocks ``uint8 [N, K / 32 * 20]`` in the layout :meth:`linear_q4` reads
-        (``uint8 [N * K * 3 / 4]``), or in float32 :meth:`linear_row` (``[N * K * 5 / 8]``)."""
-        return self._pack("Q4_1", self._q4_pack, blocks, n, k)
-
-    def q8_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """GGUF Q8_0 blocks ``uint8 [N, K / 32 * 34]`` in the layout :meth:`linear_q8` reads
-        (``uint8 [N * K * 9 / 8]``)."""
-        return self._pack("Q8_0", self._q8_pack, blocks, n, k)
-
-    def q4_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """The weight ``[N, K]`` GGUF Q4_1 blocks dequantise to, as gguf-py computes it (float32
-        ``d * q + m``), in these kernels' dtype (to bfloat16 rounded to nearest even, as torch does)."""
-        return self._dequantize("Q4_1", self._q4_dequantize, blocks, n, k)
-
-    def q8_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """The bfloat16 weight ``[N, K]`` GGUF Q8_0 blocks dequantise to, as gguf-py and torch
-        compute it (float32 ``d * q``, rounded to nearest even)."""
-        return self._dequantize("Q8_0", self._q8_dequantize, blocks, n, k)
-
-    def linear_q4(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, the weight from :meth:`q4_pack` and a
-        float32 ``bias``; each row's bits are the same whatever ``M``."""
-        return self._linear_blocks(self._linear_q4, x, packed, n, bias)
-
-    def linear_q8(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for bfloat16 ``x [M, K]``, the weight from :meth:`q8_pack` and a
-        float32 ``bias``: bit for bit what the AVX512-BF16 :meth:`linear_bf16` gives on the
-        dequantised weight, whatever ``M``."""
-        return self._linear_blocks(self._linear_q8, x, packed, n, bias)
-
-    # GGUF block formats: bytes per block of 32 weights, packed bytes per weight (num, den) in bfloat16
-    _GGUF_FORMATS = {"Q4_1": (20, 3, 4), "Q8_0": (34, 9, 8)}
-
-    def _blocks(self, kind: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        blocks = blocks.contiguous()
-        size = self._GGUF_FORMATS[kind][0]
-        if not self.q4_fits(n, k) or blocks.dtype != torch.uint8 or blocks.numel() != n * k // 32 * size:
-            raise ValueError(f"not the {kind} blocks of a {n}x{k} weight that fits: {blocks.dtype} "
-                             f"{tuple(blocks.shape)}")
-        return blocks
-
-    def _pack(self, kind: str, pack, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        blocks = self._blocks(kind, blocks, n, k)
-        num, den = (5, 8) if self.dtype == torch.float32 else self._GGUF_FORMATS[kind][1:]
-        packed = torch.empty(n * k * num // den, dtype=torch.uint8)
-        pack(blocks.data_ptr(), packed.data_ptr(), n, k)
-        return packed
-
-    def _dequantize(self, kind: str, dequantize, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        blocks = self._blocks(kind, blocks, n, k)
-        out = torch.empty(n, k, dtype=self.dtype)
-        dequantize(blocks.data_ptr(), out.data_ptr(), n, k)
-        return out
-
-    @staticmethod
-    def _linear_blocks(linear, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
-                       ) -> torch.Tensor:
-        x = x.contiguous()
-        m = x.shape[0]
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m:
-            linear(x.data_ptr(), packed.data_ptr(), ptr_or_none(bias), out.data_ptr(), m, n, x.shape[1])
         return out
 
 

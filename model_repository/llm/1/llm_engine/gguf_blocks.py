@@ -1,6 +1,6 @@
 """A GGUF checkpoint's own quantised blocks: the decoder Linears' Q4_1 (``csrc/linear_q4.c``;
 in float32 ``csrc/linear_q4_avx2.c``, for single rows) and the lm_head's Q8_0
-(``csrc/linear_q8.c``).
+(``csrc/linear_q8.c``; in float32 ``csrc/linear_q8_avx2.c``, for single rows).
 
 The engine normally runs on the float weights transformers dequantises a GGUF into
 (:mod:`.weights` caches them as an HF folder). With ``ModelConfig.cpuLinearWeights``
@@ -104,16 +104,13 @@ def read_lm_head(source: Path | GgufFile) -> np.ndarray | None:
 
 def decodes_to(blocks: np.ndarray, weight: torch.Tensor, ops, kind: str = "q4_1") -> bool:
     """Do ``blocks`` of ``kind`` (``q4_1``: float32 ``d * q + m``; ``q8_0``: ``d * q``, as gguf-py
-    dequantises them) give exactly ``weight``: bfloat16 (rounded to it), or float32 for
-    ``q4_1``? ``ops``: :class:`~llm_engine.cpu_ops.CpuOps` of the weight's dtype with that
-    kind's kernels."""
+    dequantises them) give exactly ``weight``, bfloat16 (rounded to it) or float32? ``ops``:
+    :class:`~llm_engine.cpu_ops.CpuOps` of the weight's dtype with that kind's kernels."""
     n, k = weight.shape
-    block_bytes, dequantize = {
-        ("q4_1", torch.bfloat16): (Q4_1_BLOCK_BYTES, ops.q4_dequantize),
-        ("q4_1", torch.float32): (Q4_1_BLOCK_BYTES, ops.q4_dequantize),
-        ("q8_0", torch.bfloat16): (Q8_0_BLOCK_BYTES, ops.q8_dequantize),
-    }.get((kind, weight.dtype), (0, None))
-    if dequantize is None or not ops.q4_fits(n, k) or blocks.shape != (n, k // 32 * block_bytes):
+    block_bytes, dequantize = {"q4_1": (Q4_1_BLOCK_BYTES, ops.q4_dequantize),
+                               "q8_0": (Q8_0_BLOCK_BYTES, ops.q8_dequantize)}[kind]
+    if (weight.dtype not in (torch.bfloat16, torch.float32) or not ops.q4_fits(n, k)
+            or blocks.shape != (n, k // 32 * block_bytes)):
         return False
     dense = dequantize(torch.from_numpy(blocks), n, k)
     bits = torch.int16 if weight.dtype == torch.bfloat16 else torch.int32

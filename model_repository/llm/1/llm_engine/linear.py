@@ -45,17 +45,14 @@ prepacked kernel serves batches where it is faster, and single rows get the fast
 the two and the fused kernels' one-row Linear (``cpu_ops``), which reads the weights at
 nearly the machine's bandwidth where torch's kernels reach about half of it at one row.
 
-GGUF Q4_1 blocks in float32 (CPUs with AVX2, FMA and F16C; ``csrc/linear_q4_avx2.c``). Where
-the model is such a GGUF, float32 single rows can also read the blocks (0.625 bytes a weight
-against 4) through the fused one-row Linear, as a fourth kind that :func:`choose_fp32_kernels`
-times: as a second weight form beside the prepacked one for batches it must win by
-:data:`FP32_GAIN`, and Linears without blocks (the lm_head) keep the fused kernel. Its sums
-are grouped by block, so its last bits differ from the dense kernels' (as those differ from
-each other). SmolLM2-135M's 120 layer matmuls at one row on a 2-core AVX2 EPYC (no AVX-512;
-best of 30 while another process came and went): 6.9 against 17.7 ms for the dense fused
-kernel; with the dense lm_head, the 121 took 13.1 against 26.2 ms. That is 10 GB/s of blocks
-where the dense kernel reads 24: widening the codes to floats is about half of it (3.7 ms
-with the blocks in cache).
+GGUF blocks in float32 (AVX2, FMA and F16C; ``csrc/linear_q4_avx2.c``, ``csrc/linear_q8_avx2.c``).
+Single rows can also read a GGUF's own blocks: the layers' Q4_1 (0.625 bytes a weight against 4)
+and the lm_head's Q8_0 (1.0625), timed by :func:`choose_fp32_kernels` for each group of Linears
+holding the same blocks; a second weight form beside the prepacked one, they must win by
+:data:`FP32_GAIN`. Their sums go block by block, so their last bits differ from the dense kernels'
+(as those differ from each other). On a 2-core AVX2 EPYC (best of 30-40, other processes running),
+SmolLM2-135M's 120 layer matmuls at one row took 6.9-8.2 against 17.7 ms on the dense fused kernel
+(10 GB/s of blocks against its 24: widening codes to floats is half of it), the lm_head 1.6 against 4.7.
 """
 
 from __future__ import annotations
@@ -200,19 +197,20 @@ def packed_invariant(linear: PackedBf16Linear | PackedQ4Linear | PackedQ8Linear,
 class Fp32Linear:
     """float32 on CPU: ``F.linear``, oneDNN's prepacked kernel or, for single rows, the fused
     kernels' :meth:`~llm_engine.cpu_ops.CpuOps.linear_row`, on the dense weight or, where
-    :meth:`add_q4` gave it them, on the GGUF's Q4_1 blocks, as
+    :meth:`add_blocks` gave it them, on the GGUF's Q4_1 or Q8_0 blocks, as
     :func:`choose_fp32_kernels` measured; plain until then."""
 
-    KINDS = ("plain", "prepacked", "fused", "q4")
-    FORMS = {"plain": "dense", "fused": "dense", "prepacked": "prepacked", "q4": "q4"}  # the weight each reads
+    KINDS = ("plain", "prepacked", "fused", "q4", "q8")
+    BLOCK_KINDS = ("q4", "q8")  # one-row kernels on GGUF blocks: Q4_1, Q8_0
+    FORMS = {"plain": "dense", "fused": "dense", "prepacked": "prepacked", "q4": "q4", "q8": "q8"}  # weight read
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight = weight.contiguous()
         self.shape = tuple(self.weight.shape)
         self.bias = None if bias is None else bias.contiguous()
         self.packed = None
-        self.blocks = None  # the GGUF's Q4_1 blocks as ops.linear_row reads them, for the "q4" kind
-        self.ops = None  # CpuOps with linear_row, for the "fused" and "q4" kinds
+        self.blocks = self.block_kind = None  # GGUF blocks ("q4" or "q8") as ops.linear_row_blocks reads them
+        self.ops = None  # CpuOps with linear_row, for the "fused", "q4" and "q8" kinds
         self.kinds = ("plain", "plain")  # (for batches, for single rows)
         if torch.backends.mkldnn.is_available():
             try:
@@ -230,39 +228,46 @@ class Fp32Linear:
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear_row(x, self.weight, self.bias)
 
-    def q4(self, x: torch.Tensor) -> torch.Tensor:
-        """The Q4_1 blocks' one-row kernel; :meth:`fused` where this Linear has no blocks."""
-        if self.blocks is None:
-            return self.fused(x)
-        return self.ops.linear_row(x, self.blocks, self.bias, self.shape[0])
+    def q4(self, x: torch.Tensor) -> torch.Tensor:  # on Q4_1 blocks; fused where it has none
+        return self._on_blocks("q4", x)
 
-    def add_q4(self, blocks: torch.Tensor, ops) -> None:
-        """Hold the GGUF Q4_1 ``blocks`` ``uint8 [N, K / 32 * 20]`` of this weight (checked by the
-        caller to decode to it exactly) for the "q4" kind; ``ops``: float32, with ``has_linear_q4``."""
+    def q8(self, x: torch.Tensor) -> torch.Tensor:  # on Q8_0 blocks; fused where it has none
+        return self._on_blocks("q8", x)
+
+    def _on_blocks(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        if self.block_kind != kind:
+            return self.fused(x)
+        return self.ops.linear_row_blocks(kind, x, self.blocks, self.shape[0], self.bias)
+
+    def add_blocks(self, kind: str, blocks: torch.Tensor, ops) -> None:
+        """Hold this weight's GGUF blocks (checked by the caller to decode to it exactly) for the
+        ``kind`` kernel: "q4", Q4_1 ``uint8 [N, K / 32 * 20]``, or "q8", Q8_0 ``[N, K / 32 * 34]``;
+        ``ops``: float32, with ``has_linear_q4`` or ``has_linear_q8``."""
         self.ops = ops
-        self.blocks = ops.q4_pack(blocks, *self.shape)
+        self.blocks = {"q4": ops.q4_pack, "q8": ops.q8_pack}[kind](blocks, *self.shape)
+        self.block_kind = kind
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.for_one_row(x) if x.shape[0] == 1 else self.for_batches(x)
 
     def use(self, for_batches: str, for_one_row: str) -> None:
-        """Set the kernels (:data:`KINDS`; "q4" is "fused" without blocks) and drop the weight
-        forms neither uses."""
-        if for_one_row == "q4" and self.blocks is None:
+        """Set the kernels (:data:`KINDS`; "q4" and "q8" are "fused" without those blocks) and
+        drop the weight forms neither uses."""
+        if for_one_row in self.BLOCK_KINDS and self.block_kind != for_one_row:
             for_one_row = "fused"
         self.kinds = (for_batches, for_one_row)
         self.for_batches, self.for_one_row = getattr(self, for_batches), getattr(self, for_one_row)
         forms = {self.FORMS[for_batches], self.FORMS[for_one_row]}
         if "prepacked" not in forms:
             self.packed = None
-        if "q4" not in forms:
-            self.blocks = None
+        if self.block_kind not in forms:
+            self.blocks = self.block_kind = None
         if "dense" not in forms:
             self.weight = None
 
     def one_row_bytes(self) -> int:
         """Bytes of weights a single row reads."""
-        return self.blocks.numel() if self.kinds[1] == "q4" else self.shape[0] * self.shape[1] * 4
+        return self.blocks.numel() if self.kinds[1] in self.BLOCK_KINDS else self.shape[0] * self.shape[1] * 4
 
     def second_form_bytes(self) -> int:
         """Bytes of the weight form only single rows read (0 where batches read it too)."""
@@ -273,10 +278,10 @@ class Fp32Linear:
 def choose_fp32_kernels(linears: list[Linear], ops=None, batch_rows: int = 16) -> None:
     """Time a model's float32 matmuls as a forward runs them (each weight read from memory
     once per pass): plain and prepacked at ``batch_rows`` rows, and those, ``ops``'s one-row
-    kernel (when given) and, where some hold GGUF Q4_1 blocks, the Q4_1 one-row kernel (the
-    fused one for the others) at one row. Each :class:`Fp32Linear` gets the fastest kernel
-    for each; one that needs a second form of the weights must win by :data:`FP32_GAIN`.
-    Keeping two forms costs a second copy of the weights, logged."""
+    kernel (when given) and, for Linears holding GGUF blocks, the one-row kernel on them at one
+    row. Batches get the faster kernel over all; single rows the fastest for each group of
+    Linears holding the same blocks (Q4_1, Q8_0 or none), timed together. One that needs a
+    second form of the weights must win by :data:`FP32_GAIN`; that second copy is logged."""
     layers = [lin for lin in linears if isinstance(lin, Fp32Linear) and lin.packed is not None]
     if not layers:
         return
@@ -285,37 +290,49 @@ def choose_fp32_kernels(linears: list[Linear], ops=None, batch_rows: int = 16) -
         ops.set_threads(torch.get_num_threads())
         for lin in layers:
             lin.ops = ops
-    one_row_kinds = ("plain", "prepacked", "fused") if fused else ("plain", "prepacked")
-    if fused and any(lin.blocks is not None for lin in layers):
-        one_row_kinds += ("q4",)
-    best: dict[tuple[str, int], float] = {}
+    groups: dict[str | None, list[Fp32Linear]] = {}  # by the blocks each holds, in the model's order
+    for lin in layers:
+        groups.setdefault(lin.block_kind if fused else None, []).append(lin)
+    best: dict[tuple[str, int, str | None], float] = {}
     with torch.inference_mode():
         for rows in (batch_rows, 1):
-            kinds = one_row_kinds if rows == 1 else ("plain", "prepacked")
-            xs = [torch.randn(rows, lin.shape[1]) for lin in layers]
+            xs = {group: [torch.randn(rows, lin.shape[1]) for lin in members] for group, members in groups.items()}
             for rnd in range(4):  # a warm round, then best of three, interleaved
-                for kind in kinds:
-                    t0 = time.perf_counter()
-                    for lin, x in zip(layers, xs):
-                        getattr(lin, kind)(x)
-                    if rnd:
-                        best[kind, rows] = min(best.get((kind, rows), float("inf")), time.perf_counter() - t0)
-    for_batches = "prepacked" if best["plain", batch_rows] > FP32_GAIN * best["prepacked", batch_rows] else "plain"
-    one_row = {kind: t for (kind, rows), t in best.items() if rows == 1}
+                for group, members in groups.items():
+                    one_row = ("fused", group) if group else ("fused",)  # groups other than None: fused
+                    for kind in ("plain", "prepacked") + (one_row if rows == 1 and fused else ()):
+                        t0 = time.perf_counter()
+                        for lin, x in zip(members, xs[group]):
+                            getattr(lin, kind)(x)
+                        if rnd:
+                            key = (kind, rows, group)
+                            best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
+    batches = {kind: sum(best[kind, batch_rows, group] for group in groups) for kind in ("plain", "prepacked")}
+    for_batches = "prepacked" if batches["plain"] > FP32_GAIN * batches["prepacked"] else "plain"
+    chosen, parts = 0.0, []
+    for group, members in groups.items():
+        one_row = {kind: t for (kind, rows, g), t in best.items() if rows == 1 and g == group}
+        for_one_row = _fastest(one_row, for_batches)
+        for lin in members:
+            lin.use(for_batches, for_one_row)
+        chosen += one_row[for_one_row]
+        timings = ", ".join(f"{kind} {t * 1e3:.1f}" for kind, t in sorted(one_row.items()))
+        what = {None: "dense", "q4": "on Q4_1 blocks", "q8": "on Q8_0 blocks"}[group]
+        parts.append(f"{len(members)} {what}: {timings} ms -> {for_one_row}")
+    extra = sum(lin.second_form_bytes() for lin in layers) / 2**20
+    log.info("float32 matmuls, %d of them: plain %.1f ms, prepacked %.1f ms at %d rows -> %s for batches; at 1 "
+             "row, %s; %.1f ms as chosen%s", len(layers), batches["plain"] * 1e3, batches["prepacked"] * 1e3,
+             batch_rows, for_batches, "; ".join(parts), chosen * 1e3,
+             f" (a second weight form kept for single rows: {extra:.0f} MiB)" if extra else "")
+
+
+def _fastest(one_row: dict[str, float], for_batches: str) -> str:
+    """The fastest kind; one reading another weight form than ``for_batches`` must win by :data:`FP32_GAIN`."""
     same_form = [k for k in one_row if Fp32Linear.FORMS[k] == Fp32Linear.FORMS[for_batches]]
     other_form = [k for k in one_row if k not in same_form]
-    for_one_row = min(same_form, key=one_row.get)
+    fastest = min(same_form, key=one_row.get)
     rival = min(other_form, key=one_row.get) if other_form else None
-    if rival and FP32_GAIN * one_row[rival] < one_row[for_one_row]:
-        for_one_row = rival
-    for lin in layers:
-        lin.use(for_batches, for_one_row)
-    extra = sum(lin.second_form_bytes() for lin in layers) / 2**20
-    timings = ", ".join(f"{kind} {t * 1e3:.1f}" for kind, t in sorted(one_row.items()))
-    log.info("float32 matmuls, %d of them: plain %.1f ms, prepacked %.1f ms at %d rows; at 1 row %s ms -> "
-             "%s for batches, %s for single rows%s", len(layers), best["plain", batch_rows] * 1e3,
-             best["prepacked", batch_rows] * 1e3, batch_rows, timings, for_batches, for_one_row,
-             f" (a second weight form kept for single rows: {extra:.0f} MiB)" if extra else "")
+    return rival if rival and FP32_GAIN * one_row[rival] < one_row[fastest] else fastest
 
 
 def _padded(kernel: Linear) -> Linear:

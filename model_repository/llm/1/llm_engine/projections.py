@@ -7,9 +7,9 @@ is most of the single-stream speed. Every projection becomes a :func:`~.linear.m
 layer Linears are Q4_1 and the runner can use them, in bfloat16 a
 :class:`~.linear.PackedQ4Linear` on the file's own blocks, and the lm_head a
 :class:`~.linear.PackedQ8Linear` on its Q8_0 blocks; in float32 an
-:class:`~.linear.Fp32Linear` that also holds the Q4_1 blocks for single rows, where
-:func:`~.linear.choose_fp32_kernels` finds them faster (``ModelConfig.cpuLinearWeights``;
-:mod:`.gguf_blocks`). The original modules are dropped, so the weights are held once (plus
+:class:`~.linear.Fp32Linear` that also holds the Q4_1 blocks (the lm_head its Q8_0 blocks)
+for single rows, where :func:`~.linear.choose_fp32_kernels` finds them faster
+(``ModelConfig.cpuLinearWeights``; :mod:`.gguf_blocks`). The original modules are dropped, so the weights are held once (plus
 those blocks); the tied embedding stays.
 """
 
@@ -60,13 +60,13 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
     size = torch.empty(0, dtype=dtype).element_size()
     weight_bytes = 0
 
-    def projection(weight: torch.Tensor, bias: torch.Tensor | None, blocks) -> Linear:
-        """On ``blocks`` where given, the kernel fits the shape and they decode to exactly
-        ``weight``; else :func:`make_linear`."""
+    def projection(weight: torch.Tensor, bias: torch.Tensor | None, blocks, kind: str = "q4") -> Linear:
+        """On ``blocks`` (Q4_1; in float32 ``kind`` "q8": Q8_0) where given, the kernel fits the
+        shape and they decode to exactly ``weight``; else :func:`make_linear`."""
         nonlocal weight_bytes
         if blocks is not None and dtype == torch.float32:  # dense, and blocks for single rows
             weight_bytes += weight.numel() * size
-            return _fp32_projection(weight, bias, blocks, ops)
+            return _fp32_projection(weight, bias, blocks, kind, ops)
         if blocks is not None and ops.q4_fits(*weight.shape):
             if gguf_blocks.decodes_to(blocks, weight, ops):
                 linear = PackedQ4Linear(torch.from_numpy(blocks), *weight.shape, bias, ops)
@@ -95,23 +95,23 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
     head = model.lm_head
     lm_head = _q8_head(head, head_blocks, ops)
     if lm_head is None:
-        lm_head = projection(head.weight, head.bias, None)
+        lm_head = projection(head.weight, head.bias, head_blocks if dtype == torch.float32 else None, "q8")
     else:
         weight_bytes += lm_head.bytes_per_row
     linears = [*qkv, *o_proj, *gate_up, *down, lm_head]
     choose_fp32_kernels(linears, ops)
     fp32 = [lin for lin in linears if isinstance(lin, Fp32Linear)]
-    weight_bytes -= sum(lin.shape[0] * lin.shape[1] * 4 - lin.one_row_bytes() for lin in fp32)  # Q4_1 chosen
+    weight_bytes -= sum(lin.shape[0] * lin.shape[1] * 4 - lin.one_row_bytes() for lin in fp32)  # blocks chosen
     if packed := sum(isinstance(lin, PackedBf16Linear | PackedQ8Linear) for lin in linears):
         extra = head.weight.numel() * 2 / 2**20 if isinstance(lm_head, PackedBf16Linear | PackedQ8Linear) else 0.0
         log.info("bfloat16 matmuls on the fused %s kernel: %d of %d (the lm_head's weight stays beside its "
                  "packed copy: %.0f MiB more)", ops.bf16_kernel, packed, len(linears), extra)
     if q4 and dtype == torch.float32:
-        q4_rows = [lin for lin in fp32 if lin.blocks is not None]
-        log.info("decoder Linears on GGUF Q4_1 blocks for single rows (cpuLinearWeights): %d of %d, %.0f MiB "
-                 "beside the dense weights for batches%s", len(q4_rows), len(linears),
-                 sum(lin.blocks.numel() for lin in q4_rows) / 2**20,
-                 "" if q4_rows else " (the float32 kernels were faster here)")
+        for kind, what in (("q4", "decoder Linears on GGUF Q4_1"), ("q8", "the lm_head on GGUF Q8_0")):
+            rows = [lin for lin in fp32 if lin.block_kind == kind]
+            log.info("%s blocks for single rows (cpuLinearWeights): %d of %d, %.0f MiB beside the dense weights "
+                     "for batches%s", what, len(rows), len(linears), sum(lin.blocks.numel() for lin in rows) / 2**20,
+                     "" if rows else " (none held, or the dense kernels were faster here)")
     if q4s := [lin for lin in linears if isinstance(lin, PackedQ4Linear)]:
         log.info("decoder Linears on GGUF Q4_1 blocks (cpuLinearWeights): %d of %d, %.0f MiB", len(q4s),
                  len(linears), sum(lin.packed.numel() for lin in q4s) / 2**20)
@@ -122,17 +122,19 @@ def build_projections(model, ops, dtype: torch.dtype, device: torch.device, num_
     return Projections(qkv, o_proj, gate_up, down, lm_head, intermediate, weight_bytes)
 
 
-def _fp32_projection(weight: torch.Tensor, bias: torch.Tensor | None, blocks, ops) -> Linear:
-    """A float32 projection that also holds its Q4_1 ``blocks`` (for single rows, should
-    :func:`choose_fp32_kernels` pick them) where they decode to exactly ``weight``."""
+def _fp32_projection(weight: torch.Tensor, bias: torch.Tensor | None, blocks, kind: str, ops) -> Linear:
+    """A float32 projection that also holds its ``kind`` ("q4": Q4_1, "q8": Q8_0) ``blocks`` (for
+    single rows, should :func:`choose_fp32_kernels` pick them) where they decode to exactly ``weight``."""
     linear = make_linear(weight, bias, ops)
-    if not isinstance(linear, Fp32Linear) or linear.packed is None or not ops.q4_fits(*weight.shape):
+    has_kernel = ops.has_linear_q4 if kind == "q4" else ops.has_linear_q8
+    if (not isinstance(linear, Fp32Linear) or linear.packed is None or not has_kernel
+            or not ops.q4_fits(*weight.shape)):
         return linear  # no prepacked kernel for batches: choose_fp32_kernels leaves it plain
-    if gguf_blocks.decodes_to(blocks, weight, ops):
-        linear.add_q4(torch.from_numpy(blocks), ops)
+    if gguf_blocks.decodes_to(blocks, weight, ops, {"q4": "q4_1", "q8": "q8_0"}[kind]):
+        linear.add_blocks(kind, torch.from_numpy(blocks), ops)
     else:
-        log.warning("cpuLinearWeights: a %dx%d projection's Q4_1 blocks do not decode to the loaded weight; it "
-                    "keeps the dense weight", *weight.shape)
+        log.warning("cpuLinearWeights: a %dx%d projection's %s blocks do not decode to the loaded weight; it "
+                    "keeps the dense weight", *weight.shape, {"q4": "Q4_1", "q8": "Q8_0"}[kind])
     return linear
 
 
