@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_ops.c", "linear_amx.c", "linear_avx512bf16.c", "linear_q4.c", "linear_q8.c",
                          "linear_q4_avx2.c", "linear_q8_avx2.c", "decoder_layers.c")]
-HEADERS = [Path(__file__).with_name("csrc") / "bf16_linear.h"]  # in the build key, not compiled alone
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16_linear.h", "gguf_blocks.h")]  # in the build key, not compiled alone
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
           "-shared"]
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds single-threaded kernels

@@ -33,6 +33,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "gguf_blocks.h"
+
 #include "bf16_linear.h"
 
 #define Q4_RECORD 384  /* bytes per 16 outputs x 32 inputs: 256 of codes, 16 d, 16 c */
@@ -43,11 +45,6 @@
 #define Q4_WORK_MIN 16384
 
 int linear_q4_bf16_init(void) { return 1; }
-
-static inline unsigned gguf_code(const uint8_t *block, int e) { /* element e of a GGUF Q4_1 block */
-    const uint8_t byte = block[4 + (e & 15)];
-    return e < 16 ? byte & 15u : byte >> 4;
-}
 
 /* GGUF Q4_1 blocks [n][k / 32] of 20 bytes -> the layout above (n * k * 3 / 4 bytes);
  * n % 16 == 0, k % 32 == 0. */

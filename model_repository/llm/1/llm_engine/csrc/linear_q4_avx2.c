@@ -32,17 +32,14 @@ int cpu_ops_threads(void); /* cpu_ops.c: the thread count cpu_ops_set_threads() 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "gguf_blocks.h"
+
 #define Q4F_RECORD 160   /* bytes per 8 outputs x 32 inputs: 16 of d, 16 of m, 128 of codes */
 #define Q4F_PANEL 3      /* 8-output groups a thread runs together (6 FMA chains) */
 #define Q4F_WORK_MIN 65536 /* weights from which a call is split over the threads */
 _Static_assert(Q4F_PANEL == 3, "linear_q4_f32_row's switch names each panel width");
 
 int linear_q4_f32_init(void) { return 1; }
-
-static inline unsigned gguf_code(const uint8_t *block, int e) { /* element e of a GGUF Q4_1 block */
-    const uint8_t byte = block[4 + (e & 15)];
-    return e < 16 ? byte & 15u : byte >> 4;
-}
 
 /* GGUF Q4_1 blocks [n][k / 32] of 20 bytes -> the layout above (n * k * 5 / 8 bytes);
  * n % 8 == 0, k % 32 == 0. */
