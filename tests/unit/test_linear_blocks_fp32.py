@@ -115,29 +115,15 @@ def test_an_fp32_linear_on_blocks_serves_single_rows_from_them_and_batches_prepa
     assert another.kinds == ("prepacked", "fused") and another.blocks is None and another.weight is not None
 
 
-@pytest.mark.parametrize("q4_cost, expect", [(0.5, "q4"), (1.45, "prepacked")])
-def test_choose_fp32_kernels_takes_the_q4_blocks_for_single_rows_only_where_they_win(
-    monkeypatch, q4_cost, expect
-):
-    """The blocks are a second weight form beside the prepacked one: they must win by
-    FP32_GAIN. A Linear without blocks is timed and chosen for apart (here prepacked: the
-    fused kernel does not win by FP32_GAIN)."""
-    ops = _row_ops("q4")
+def _timed_by(monkeypatch, cost) -> None:
+    """Fake timings for choose_fp32_kernels: its clock advances by ``cost(linear, kind, rows)``
+    at each call of a kernel, which still runs."""
     clock = {"t": 0.0}
-    costs = {
-        ("plain", 8): 2.0,
-        ("prepacked", 8): 1.0,
-        ("plain", 1): 2.0,
-        ("prepacked", 1): 1.5,
-        ("fused", 1): 1.6,
-        ("q4", 1): q4_cost,
-    }
     real = {k: getattr(Fp32Linear, k) for k in Fp32Linear.KINDS}
 
     def costed(kind):
         def kernel(self, x):
-            if self.blocks is not None or kind != "q4":  # "q4" without blocks runs (and costs) "fused"
-                clock["t"] += costs[kind, x.shape[0]]
+            clock["t"] += cost(self, kind, x.shape[0])
             return real[kind](self, x)
 
         kernel.__name__ = kind
@@ -146,6 +132,26 @@ def test_choose_fp32_kernels_takes_the_q4_blocks_for_single_rows_only_where_they
     monkeypatch.setattr(linear.time, "perf_counter", lambda: clock["t"])
     for kind in real:
         monkeypatch.setattr(Fp32Linear, kind, costed(kind))
+
+
+@pytest.mark.parametrize("q4_cost, expect", [(0.5, "q4"), (1.45, "prepacked")])
+def test_choose_fp32_kernels_takes_the_q4_blocks_for_single_rows_only_where_they_win(
+    monkeypatch, q4_cost, expect
+):
+    """The blocks are a second weight form beside the prepacked one: they must win by
+    FP32_GAIN. A Linear without blocks is timed and chosen for apart (here prepacked: the
+    fused kernel does not win by FP32_GAIN)."""
+    ops = _row_ops("q4")
+    costs = {
+        ("plain", 8): 2.0,
+        ("prepacked", 8): 1.0,
+        ("plain", 1): 2.0,
+        ("prepacked", 1): 1.5,
+        ("fused", 1): 1.6,
+        ("q4", 1): q4_cost,
+    }
+    # "q4" without blocks runs (and costs) "fused"
+    _timed_by(monkeypatch, lambda lin, kind, rows: 0.0 if kind == "q4" and lin.blocks is None else costs[kind, rows])
     layers = [_block_linear("q4", 64, 64, seed=s, ops=ops)[0] for s in range(3)]
     head = make_linear(torch.randn(128, 64), None, ops)
     linear.choose_fp32_kernels([*layers, head], ops, batch_rows=8)
@@ -162,21 +168,8 @@ def test_choose_fp32_kernels_times_the_q8_head_apart_from_the_q4_layers(monkeypa
     ops = _row_ops("q8")
     if not ops.has_linear_q4:
         pytest.skip("no float32 Q4_1 kernel")
-    clock = {"t": 0.0}
     costs = {"plain": 2.0, "prepacked": 1.5, "fused": 1.6, "q4": 0.5, "q8": q8_cost}
-    real = {k: getattr(Fp32Linear, k) for k in Fp32Linear.KINDS}
-
-    def costed(kind):
-        def kernel(self, x):
-            clock["t"] += 1.0 if x.shape[0] > 1 and kind == "prepacked" else costs[kind]
-            return real[kind](self, x)
-
-        kernel.__name__ = kind
-        return kernel
-
-    monkeypatch.setattr(linear.time, "perf_counter", lambda: clock["t"])
-    for kind in real:
-        monkeypatch.setattr(Fp32Linear, kind, costed(kind))
+    _timed_by(monkeypatch, lambda lin, kind, rows: 1.0 if rows > 1 and kind == "prepacked" else costs[kind])
     layers = [_block_linear("q4", 64, 64, seed=s, ops=ops)[0] for s in range(3)]
     head, w, _ = _block_linear("q8", 128, 64, seed=9, ops=ops)
     linear.choose_fp32_kernels([*layers, head], ops, batch_rows=8)
