@@ -34,9 +34,9 @@ async def _ready(request: Request) -> bool:
     return await request.app.state.service.triton.ready()
 
 
-def _abnormal(request: Request) -> bool:
-    """Not ready after having been ready (Triton or the model's stub gone): spec §4's "abnormal",
-    which answers 500; before the model has been ready once, the service is initialising (503)."""
+def _was_ready(request: Request) -> bool:
+    """Has the model been ready once? Then not ready now (Triton or the model's stub gone) is
+    spec §4's "abnormal", which answers 500; before that the service is initialising (503)."""
     return request.app.state.service.triton.was_ready
 
 
@@ -50,7 +50,7 @@ async def health(request: Request):
                             status_code=503)
     if await _ready(request):
         return Response(status_code=200)
-    if _abnormal(request):
+    if _was_ready(request):
         return JSONResponse({"error": f"{ABNORMAL}: the model is not ready", "error_type": INCOMPLETE},
                             status_code=500)
     return Response(status_code=503)
@@ -58,7 +58,7 @@ async def health(request: Request):
 
 @router.get("/v2/health/live")
 async def live(request: Request):
-    if _abnormal(request) and not _stopping(request) and not await _ready(request):
+    if _was_ready(request) and not _stopping(request) and not await _ready(request):
         return JSONResponse({"message": ABNORMAL}, status_code=500)
     if request.app.state.admission.busy:  # alive, and says so (spec §4)
         return JSONResponse({"message": "Service is alive but busy"})
@@ -74,7 +74,7 @@ async def ready(request: Request):
                             status_code=503)
     if await _ready(request):
         return Response(status_code=200)
-    if _abnormal(request):
+    if _was_ready(request):
         return JSONResponse({"message": ABNORMAL}, status_code=500)
     return JSONResponse({"message": "Model is not ready"}, status_code=503)
 
@@ -111,7 +111,7 @@ async def _timed(request: Request, seconds: int) -> Response:
     if _stopping(request):
         return healthy  # as MindIE: a stopping server is not probed
     if not await _ready(request):
-        if _abnormal(request):
+        if _was_ready(request):
             raise incomplete_error(f"{ABNORMAL}: the model is not ready")
         return Response(status_code=503)
     svc: Service = request.app.state.service
