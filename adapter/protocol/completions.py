@@ -102,7 +102,7 @@ def parse_completion_request(
     stream = bool(opt_bool(body, "stream"))
     structured = check_response_format(body)
     num_choices = _check_choice_rules(beam, stream, best_of, n, temperature)
-    _check_restrictions(beam, stop, n, best_of, structured)
+    _check_restrictions(beam, stop, n, best_of)
 
     sampling: dict[str, Any] = {
         "max_tokens": min(max_tokens or settings.schedule.maxIterTimes, settings.schedule.maxIterTimes)
@@ -124,6 +124,7 @@ def parse_completion_request(
         "n": n,
         "best_of": best_of,
         "use_beam_search": body.get("use_beam_search"),
+        "response_format": body["response_format"] if structured else None,
     }
     sampling.update({k: v for k, v in optional.items() if v is not None})
     return GenerationPlan(
@@ -284,8 +285,7 @@ def _check_choice_rules(
 
 
 def _check_restrictions(
-    beam: bool, stop: list[str], n: int | None, best_of: int | None, structured: str | None
-) -> None:
+    beam: bool, stop: list[str], n: int | None, best_of: int | None) -> None:
     """R1 and the deployment restrictions this project can meet (spec §2.1)."""
     if beam and stop:
         raise validation_error("use_beam_search cannot be used together with stop")
@@ -298,8 +298,3 @@ def _check_restrictions(
             raise validation_error("n must be 1 while MINDIE_ASYNC_SCHEDULING_ENABLE is on")
         if (best_of or 1) != 1:
             raise validation_error("best_of must be 1 while MINDIE_ASYNC_SCHEDULING_ENABLE is on")
-    if structured is not None:
-        raise validation_error(
-            f"Parameter response_format.type '{structured}' is not supported: "
-            "structured output is not available in this deployment"
-        )

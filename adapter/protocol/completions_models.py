@@ -8,7 +8,7 @@ MindIE's, and combination rules and token limits are only checked there.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,10 +24,30 @@ Prompt = Union[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)],
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_TOTAL)]
 
 
-class ResponseFormat(BaseModel):
-    """Only ``{"type": "text"}`` in this deployment; ``json_object`` and ``json_schema`` get 422."""
+class JsonSchemaFormat(BaseModel):
+    """The schema that the output must follow. Other keys (``strict``, ``description``) are ignored."""
 
-    type: Literal["text"]
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema (draft 2020-12 keywords); "
+                                    "422 if it does not compile")
+
+
+class ResponseFormat(BaseModel):
+    """Structured output: ``text`` (the same as absent), any JSON object, or JSON following a schema.
+
+    The output is constrained token by token; it ends with ``stop`` once the JSON is whole, or
+    ``length`` (cut JSON) if ``max_tokens`` comes first.
+    """
+
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"]},
+    })
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="Required when type is json_schema.")
 
 
 class CompletionRequest(BaseModel):

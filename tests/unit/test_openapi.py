@@ -60,7 +60,7 @@ def test_routes_declare_their_responses(doc, path, status, media, schema):
     assert content[media]["schema"] == {"$ref": f"#/components/schemas/{schema}"}
 
 
-REQUEST_SCHEMAS = ["CompletionRequest", "ResponseFormat", "InferRequest", "InferParameters", "InferInputElement",
+REQUEST_SCHEMAS = ["CompletionRequest", "ResponseFormat", "JsonSchemaFormat", "InferRequest", "InferParameters", "InferInputElement",
                    "MediaUrl"]
 
 
@@ -84,7 +84,7 @@ def validator(doc: dict, name: str) -> Draft202012Validator:
 # totals across stop strings, media sources and the text-only model's first-element rule.
 NOT_EXPRESSIBLE = ("Length of Prompt token", "Inputs token length", "exceeds 'maxN'",
                    "must contain at most 64 strings", "with total <= 32768", "The first element of inputs",
-                   "The number of multimodal url")
+                   "The number of multimodal url", "Invalid json_schema")  # the rules of the user's own schema
 
 
 def integral_float(value) -> bool:
@@ -126,6 +126,9 @@ def test_the_schema_rejects_what_validation_rejects(doc, endpoint, body, message
                                presence_penalty=-2, frequency_penalty=2, ignore_eos=False, stream=False,
                                skip_special_tokens=True, response_format={"type": "text"}, unknown=1)),
     ("CompletionRequest", dict(completions_cases.BASE, **dict.fromkeys(completions_accepted.OPTIONAL_FIELDS))),
+    ("CompletionRequest", dict(completions_cases.BASE, response_format={"type": "json_object"})),
+    ("CompletionRequest", dict(completions_cases.BASE, response_format={
+        "type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {"type": "object"}}})),
     ("InferRequest", infer_cases.BASE),
     ("InferRequest", {"input_id": [0, 1048576]}),
     ("InferRequest", {"inputs": "x", "input_id": None, "stream": None, "parameters": None}),

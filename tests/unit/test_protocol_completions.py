@@ -176,10 +176,9 @@ BAD = [
         with_(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "x"}}}),
         "Invalid json_schema: unsupported type 'x' at 'schema'",
     ),
-    (
-        with_(response_format={"type": "json_object"}),
-        "Parameter response_format.type 'json_object' is not supported: structured output is not "
-        "available in this deployment",
+    (  # passes the source's type walk, but does not compile
+        with_(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#/nope"}}}),
+        "Invalid json_schema: Pointer '/nope' does not exist",
     ),
 ]
 
@@ -189,6 +188,19 @@ def test_rejects_with_exact_message(body, message):
     err = error_of(body)
     assert (err.status, err.message, err.error_type) == (422, message, "Input Validation Error")
     assert list(error_body(err)) == ["error", "error_type"]
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+])
+def test_structured_formats_reach_the_engine_as_given(fmt):
+    assert parse(with_(response_format=fmt)).sampling["response_format"] == fmt
+
+
+def test_text_format_is_the_same_as_none():
+    assert "response_format" not in parse(with_(response_format={"type": "text"})).sampling
 
 
 def test_nesting_depth_ten_is_accepted():

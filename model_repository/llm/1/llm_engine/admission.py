@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .errors import EnqueueRejected, InvalidParameter
 from .params import SamplingParams
 from .sequence import Request
+from .structured import grammar_for
 
 
 @dataclass
@@ -99,4 +100,5 @@ def admit(req: Request, lim: EngineLimits) -> None:
         room = min(room, kv_room)
     req.max_new_tokens = max(1, min(p.max_tokens or lim.max_iter_times, lim.max_iter_times, room))
     req.seed = p.seed if p.seed is not None else random.getrandbits(32)
+    req.grammar = grammar_for(p.response_format)
     fill_defaults(p, lim)

@@ -19,6 +19,8 @@ class Hypothesis:
     cumulative_logprob: float
     finish_reason: str
     top: list = field(default_factory=list)
+    text_ends_before_last: bool = True  # with "stop": its last id is the stop token, not text (a whole
+    # JSON under response_format stops on its last character instead)
 
     @property
     def score(self) -> float:
@@ -38,7 +40,8 @@ def select(logprobs: torch.Tensor, cumulative: list[float], width: int, stop_ids
     """Return ``(next live beams, candidates that end on a stop token)``, best first.
 
     ``logprobs`` is ``[live beams, vocab]``; at most ``width`` live beams are kept and
-    only stop candidates that rank above the last kept beam are returned.
+    only stop candidates that rank above the last kept beam are returned. Tokens at ``-inf``
+    (masked by a grammar) are never chosen, so fewer than ``width`` beams may go on.
     """
     k = min(2 * width, logprobs.shape[1])
     scores = logprobs + torch.tensor(cumulative, dtype=logprobs.dtype, device=logprobs.device)[:, None]
@@ -47,6 +50,8 @@ def select(logprobs: torch.Tensor, cumulative: list[float], width: int, stop_ids
     live: list[Candidate] = []
     ended: list[Candidate] = []
     for score, idx in zip(flat_scores.tolist(), flat_idx.tolist()):
+        if score == float("-inf"):
+            break  # masked out (structured output), as is everything after it
         parent, token = divmod(idx, vocab)
         cand = Candidate(parent, token, float(logprobs[parent, token]), score)
         if token in stop_ids:

@@ -6,17 +6,23 @@ engine's sequences and KV blocks (a fork shares the parent's blocks copy-on-writ
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from . import beam as beam_search
 from . import contract
+from .errors import EngineError
 from .outputs import logprob_entry
+from .sampler import NEG_INF
 from .sequence import Request, Sequence, Status, StepOutput
+from .structured import accept
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 class BeamSteps:
@@ -30,8 +36,13 @@ class BeamSteps:
             by_req.setdefault(id(seq.request), []).append(row)
         for rows in by_req.values():
             req = seqs[rows[0]].request
-            if not req.done:
+            if req.done:
+                continue
+            try:
                 self._step(req, [seqs[r] for r in rows], logprobs[rows])
+            except Exception as exc:  # a bug in one request's beams ends only that request
+                log.exception("beam search step of request %s failed", req.request_id)
+                self.engine._fail(req, EngineError(f"generation failed: {exc}"))
 
     def _step(self, req: Request, beams: list[Sequence], logprobs: torch.Tensor) -> None:
         width = req.params.n
@@ -58,13 +69,21 @@ class BeamSteps:
         for beam in beams:
             if id(beam) not in used:
                 self._retire(beam)
+        # the forks join the request now, so that its removal frees their blocks whatever follows
+        req.sequences = [s for s in req.sequences if not s.finished] + [t for t in targets
+                                                                          if t not in req.sequences]
         for seq, c in zip(targets, live):
+            whole = seq.matcher is not None and accept(seq, c.token)  # the JSON is complete
             seq.token_ids.append(c.token)
             seq.token_logprobs.append(c.logprob)
             seq.token_tops.append(tops[c.parent])
             seq.cumulative_logprob = c.score
-        req.sequences = [s for s in req.sequences if not s.finished] + [t for t in targets
-                                                                          if t not in req.sequences]
+            if whole:  # a finished hypothesis now, as on EOS, also with ignore_eos or at max_tokens
+                req.hypotheses.append(beam_search.Hypothesis(
+                    seq.output_ids, list(seq.token_logprobs), c.score, contract.FINISH_STOP,
+                    top=list(seq.token_tops), text_ends_before_last=False))
+                self._retire(seq)
+        targets = [t for t in targets if not t.finished]
         out_of_room = bool(targets) and targets[0].num_generated >= req.max_new_tokens
         best = max((t.cumulative_logprob for t in targets), default=float("-inf"))
         length = targets[0].num_generated if targets else 1
@@ -80,7 +99,7 @@ class BeamSteps:
 
     def _fork(self, parent: Sequence) -> Sequence:
         req = parent.request
-        child = self.engine._new_sequence(req, len(req.sequences), list(parent.token_ids))
+        child = self.engine._new_sequence(req, len(req.sequences), list(parent.token_ids), parent=parent)
         child.table = self.engine.blocks.fork(parent.table)
         child.num_computed = parent.num_computed
         child.status = Status.RUNNING
@@ -102,7 +121,7 @@ class BeamSteps:
         outputs = []
         for i, h in enumerate(ranked):
             ids = h.output_ids
-            text_ids = ids[:-1] if h.finish_reason == contract.FINISH_STOP else ids
+            text_ids = ids[:-1] if h.finish_reason == contract.FINISH_STOP and h.text_ends_before_last else ids
             entries = None
             if req.params.logprobs is not None:
                 tops = h.top or [[] for _ in ids]
@@ -124,4 +143,5 @@ def _alternatives(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]
     if k <= 0:
         return [[] for _ in range(logprobs.shape[0])]
     values, ids = torch.topk(logprobs.float(), min(k, logprobs.shape[-1]), dim=-1)
-    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return [[(t, v) for t, v in zip(row_ids, row_values) if v != NEG_INF]  # not masked out
+            for row_ids, row_values in zip(ids.tolist(), values.tolist())]

@@ -30,6 +30,7 @@ from .sampler import RowSpec, sample
 from .scheduler import Plan, Scheduler
 from .sequence import Request, Sequence, Status
 from .stopping import StopChecker
+from .structured import GrammarMatchers, accept, constrain
 
 log = logging.getLogger(__name__)
 SLOW_STEP_SECONDS = 1.0  # a step slower than this is logged with what it ran
@@ -62,11 +63,13 @@ class Engine:
         self._row_stats = ops.argmax_logsumexp if ops is not None else None
         self.failed_steps_in_a_row = 0
         self.token_text = TokenTexts(tokenizer)  # one token's text, as logprobs report it
+        self.grammars = GrammarMatchers(tokenizer, getattr(runner, "vocab_size", 0) or limits.vocab_size, eos_token_ids)
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
+        threading.Thread(target=self.grammars.warm_up, name="grammar-warm-up", daemon=True).start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop; every request still open ends with an error. That is done by the
@@ -121,8 +124,10 @@ class Engine:
             self._inbox.append(req)
             self._wake.notify()
 
-    def _new_sequence(self, req: Request, index: int, tokens: list[int]) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, tokens: list[int], parent: Sequence | None = None) -> Sequence:
+        """Sequence ``index`` of ``req``; a fork of ``parent`` copies its grammar state."""
         p = req.params
+        matcher = self.grammars.matcher(req.grammar, parent.matcher if parent is not None else None)
         gen = None
         if not p.greedy or p.use_beam_search:
             gen = torch.Generator(device=self.runner.device)
@@ -132,7 +137,7 @@ class Engine:
             detok=IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.skip_special_tokens),
             stopper=StopChecker(p.stop, p.stop_token_ids, self.eos_token_ids, p.ignore_eos,
                                 p.include_stop_str_in_output),
-            generator=None if p.greedy else gen,
+            generator=None if p.greedy else gen, matcher=matcher,
         )
 
     # -- the loop -----------------------------------------------------------------
@@ -192,6 +197,7 @@ class Engine:
             owners, rows_idx = self._expand_forks(owners)
             if len(rows_idx) != logits.shape[0]:
                 logits = logits[torch.tensor(rows_idx, device=logits.device)]
+            constrain(logits, owners)
             beam_rows = [i for i, s in enumerate(owners) if s.request.params.use_beam_search]
             if beam_rows:
                 keep = [i for i, s in enumerate(owners) if not s.request.params.use_beam_search]
@@ -267,15 +273,9 @@ class Engine:
 
     def _postprocess(self, plan: Plan, owners: list[Sequence], result, step_start: float) -> None:
         now = time.monotonic()
-        stepped: dict[int, Request] = {}
-        num_requests = plan.num_requests
-        for it in plan.items:
-            req = it.seq.request
-            if id(req) not in stepped:
-                stepped[id(req)] = req
-                since = req.last_progress or req.arrival
-                req.batch_sizes.append(num_requests)
-                req.queue_waits_us.append(int(max(0.0, step_start - since) * 1e6))
+        stepped = {id(it.seq.request): it.seq.request for it in plan.items}
+        for req in stepped.values():
+            req.record_step(plan.num_requests, step_start)
         for row, seq in enumerate(owners):
             if seq.request.done:
                 continue
@@ -309,7 +309,7 @@ class Engine:
             if (seq.index == 0 and seq.num_generated == 0 and len(req.sequences) < req.params.num_sequences
                     and not req.params.use_beam_search):
                 for i in range(len(req.sequences), req.params.num_sequences):
-                    child = self._new_sequence(req, i, list(seq.token_ids))
+                    child = self._new_sequence(req, i, list(seq.token_ids), parent=seq)
                     child.table = self.blocks.fork(seq.table)
                     child.num_computed = seq.num_computed
                     child.status = Status.RUNNING
@@ -333,11 +333,12 @@ class Engine:
             new = seq.detok.step(token)
             seq.pending_lens.append(len(new))
             text, matched = seq.stopper.feed(new)
+            complete = seq.matcher is not None and accept(seq, token)  # the JSON is whole
             if matched:
                 self._finish(seq, contract.FINISH_STOP)
-            elif seq.num_generated >= req.max_new_tokens:
+            elif complete or seq.num_generated >= req.max_new_tokens:
                 text += self._held_back_text(seq)
-                self._finish(seq, contract.FINISH_LENGTH)
+                self._finish(seq, contract.FINISH_STOP if complete else contract.FINISH_LENGTH)
         seq.pending_text += text
         if req.params.logprobs is not None:
             seq.pending_logprobs.append(logprob_entry(self.token_text, token, logprob, top,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import InvalidParameter
+from .structured import grammar_for
 
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
@@ -40,6 +41,7 @@ class SamplingParams:
     use_beam_search: bool = False
     priority: int = 5  # 1 = most urgent
     timeout: Optional[float] = None  # seconds from arrival
+    response_format: Optional[dict] = None  # {"type": "text" | "json_object" | "json_schema", ...}
 
     @property
     def greedy(self) -> bool:
@@ -141,6 +143,8 @@ def _check(name: str, value: Any) -> None:
             raise InvalidParameter("stop must be a non-empty string or a list of non-empty strings")
         if sum(len(s) for s in items) > 32768:
             raise InvalidParameter("stop must total at most 32768 characters")
+    elif name == "response_format":
+        grammar_for(value)  # raises InvalidParameter for a malformed format or schema
     elif name == "stop_token_ids":
         if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in value):
             raise InvalidParameter("stop_token_ids must be a list of int32 token ids")

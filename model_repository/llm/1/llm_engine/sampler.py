@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+NEG_INF = float("-inf")
+
 
 @dataclass
 class RowSpec:
@@ -88,7 +90,7 @@ def sample(logits: torch.Tensor, rows: list[RowSpec], row_stats: RowStats | None
         ids = ids.tolist()
         for j, i in enumerate(want):
             n = rows[i].logprobs
-            top[i] = list(zip(ids[j][:n], vals[j][:n]))
+            top[i] = [(t, v) for t, v in zip(ids[j][:n], vals[j][:n]) if v != NEG_INF]  # not masked out
     return SampleResult(tokens.tolist(), chosen, top)
 
 

@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -58,6 +58,7 @@ class Sequence:
     detok: IncrementalDetokenizer
     stopper: StopChecker
     generator: Optional[torch.Generator]
+    matcher: Optional[Any] = None  # an llguidance matcher when the request has a response_format
     seq_id: int = field(default_factory=lambda: next(_ids))
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose KV is in the cache
@@ -120,6 +121,7 @@ class Request:
     first_scheduled: float = 0.0
     done: bool = False
     hypotheses: list = field(default_factory=list)  # finished beams (beam search only)
+    grammar: Optional[str] = None  # the response_format's grammar (structured.grammar_for)
 
     @property
     def prompt_len(self) -> int:
@@ -132,6 +134,12 @@ class Request:
     @property
     def deadline(self) -> float | None:
         return self.arrival + self.params.timeout if self.params.timeout else None
+
+    def record_step(self, batch_size: int, step_start: float) -> None:
+        """Usage of a step that ran this request: the step's batch size (requests) and how long
+        the request waited for it since its previous step (or its arrival), in µs."""
+        self.batch_sizes.append(batch_size)
+        self.queue_waits_us.append(int(max(0.0, step_start - (self.last_progress or self.arrival)) * 1e6))
 
     def live_sequences(self) -> list[Sequence]:
         return [s for s in self.sequences if not s.finished]
