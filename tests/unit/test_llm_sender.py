@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import queue
 import sys
 import threading
 import types
@@ -238,5 +239,56 @@ def test_the_stub_exits_when_the_engine_is_dead(model, monkeypatch):
     monkeypatch.setattr(module.os, "_exit", fake_exit)
     monkeypatch.setattr(module, "_flush_logs", lambda: None)
     with pytest.raises(SystemExit):
-        module._exit_when_engine_dead(Engine(), interval=0.01)
+        module._exit_when_dead(Engine().health, interval=0.01)
     assert codes == [1]
+
+
+class Alive:
+    def __init__(self, alive=True):
+        self.alive = alive
+
+    def is_alive(self):
+        return self.alive
+
+
+def test_a_sender_stuck_in_a_call_into_triton_makes_the_model_unhealthy(model):
+    module, m = model
+    m.engine = types.SimpleNamespace(health=lambda: "", step_timeout=5.0)
+    m._sender, m._finalizing, m._busy_since = Alive(), False, 0.0
+    assert m._health() == ""
+    m._busy_since = module.time.monotonic() - 1.0  # busy, but not for long
+    assert m._health() == ""
+    m._busy_since = module.time.monotonic() - 6.0
+    assert "blocked for more than 5 s" in m._health()
+    m.engine.step_timeout = 0.0  # the check is off
+    assert m._health() == ""
+
+
+def test_a_sender_thread_that_ended_makes_the_model_unhealthy_except_while_finalizing(model):
+    _, m = model
+    m.engine = types.SimpleNamespace(health=lambda: "", step_timeout=5.0)
+    m._sender, m._finalizing, m._busy_since = Alive(False), False, 0.0
+    assert m._health() == "the response sender thread has ended"
+    m._finalizing = True
+    assert m._health() == ""
+    m.engine.health = lambda: "the engine thread has ended"
+    assert m._health() == "the engine thread has ended"
+
+
+def test_the_sender_loop_marks_itself_busy_only_during_a_call(model):
+    _, m = model
+    seen = []
+
+    class Watching(Sender):
+        def send(self, response, flags=0):
+            seen.append(m._busy_since)
+            super().send(response, flags)
+
+    m._outbox = queue.SimpleQueue()
+    m._flags = types.SimpleNamespace(refresh=lambda: None, cancelled=lambda _id: False)
+    m._busy_since = 0.0
+    sender = Watching()
+    m._outbox.put((sender, EngineError("[424] too long"), 0.0, None))
+    m._outbox.put(None)
+    m._send_loop()
+    assert seen and seen[0] > 0 and m._busy_since == 0.0

@@ -75,14 +75,31 @@ class TritonPythonModel:
         # One sender thread: the Python backend's response senders are not safe to use
         # from several threads at once (measured: concurrent send() crashed tritonserver).
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy_since = 0.0  # when the sender thread began its current call into Triton (0: idle)
+        self._finalizing = False
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self._sender.start()
         self.metrics.start(self.engine)
         self.engine.start()
         threading.Thread(target=_exit_with_tritonserver, args=(os.getppid(),), name="llm-parent-watch",
                          daemon=True).start()
-        threading.Thread(target=_exit_when_engine_dead, args=(self.engine,), name="llm-engine-watch",
+        threading.Thread(target=_exit_when_dead, args=(self._health,), name="llm-engine-watch",
                          daemon=True).start()
+
+    def _health(self) -> str:
+        """Why this model cannot serve any more ("" while it can): the engine's reasons
+        (``Engine.health``), or the sender thread gone or stuck in one call into Triton (a
+        send or a cancel poll) for longer than ``stepTimeout``. A stuck sender leaves every
+        stream without its next token while the engine and Triton's readiness look fine."""
+        reason = self.engine.health()
+        if reason or self._finalizing:
+            return reason
+        if not self._sender.is_alive():
+            return "the response sender thread has ended"
+        busy, limit = self._busy_since, self.engine.step_timeout
+        if limit and busy and time.monotonic() - busy > limit:
+            return f"a call into Triton from the response sender has been blocked for more than {limit:g} s"
+        return ""
 
     @staticmethod
     def _device_id(args: dict, settings) -> int:
@@ -186,9 +203,13 @@ class TritonPythonModel:
             if item is None:
                 return
             if item:
+                self._busy_since = time.monotonic()
                 self._handle(item, watched, failed)
+                self._busy_since = 0.0
             if time.monotonic() >= next_poll:
+                self._busy_since = time.monotonic()
                 _poll_cancels(watched, self._flags)
+                self._busy_since = 0.0
                 next_poll = time.monotonic() + CANCEL_POLL_SECONDS
 
     def _handle(self, item: tuple, watched: dict[int, _Watch], failed: dict[int, object]) -> None:
@@ -244,6 +265,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         log.info("finalizing: stopping the engine")
+        self._finalizing = True  # the sender thread ends below: not a reason to exit
         self.engine.stop()  # fails what is still queued or running: their FINALs go out below
         self._outbox.put(None)
         self._sender.join(timeout=10)
@@ -311,15 +333,15 @@ def _poll_cancels(watched: dict[int, _Watch], flags: CancelFlags) -> None:
             del watched[key]  # the engine ends it; its FINAL still comes through the outbox
 
 
-def _exit_when_engine_dead(engine, interval: float = 1.0) -> None:
-    """End the stub once the engine cannot serve any more (``Engine.health``: its thread
-    ended, a step hung past ``stepTimeout``, or ``maxFailedSteps`` steps failed in a row).
-    Triton then ends every open request with an error and the launcher restarts
-    tritonserver, as after a crash; a hung or broken engine would instead hold requests
-    until their timeouts while /health said all was well."""
+def _exit_when_dead(health, interval: float = 1.0) -> None:
+    """End the stub once ``health()`` names a reason (``TritonPythonModel._health``: the
+    engine's thread ended, a step hung past ``stepTimeout``, ``maxFailedSteps`` steps failed
+    in a row, or the sender thread is gone or stuck). Triton then ends every open request
+    with an error and the launcher restarts tritonserver, as after a crash; a hung or broken
+    engine would instead hold requests until their timeouts while /health said all was well."""
     while True:
         time.sleep(interval)
-        reason = engine.health()
+        reason = health()
         if reason:
             log.critical("%s; exiting so that the model is restarted", reason)
             _flush_logs()
