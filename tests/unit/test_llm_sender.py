@@ -10,8 +10,10 @@ import queue
 import sys
 import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from llm_engine.contract import OUTPUT_NAMES
 from llm_engine.errors import EngineError
 from llm_engine.sequence import StepOutput
 
@@ -65,6 +67,7 @@ def model(monkeypatch):
 
     fake.Tensor, fake.InferenceResponse, fake.TritonError = Tensor, InferenceResponse, TritonError
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    monkeypatch.delitem(sys.modules, "response_outputs", raising=False)  # imported again with this fake
     spec = importlib.util.spec_from_file_location("llm_model_under_test", ROOT / "model_repository/llm/1/model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -73,9 +76,14 @@ def model(monkeypatch):
     return module, instance
 
 
+def outputs_module():
+    """``response_outputs``, as the model under test imported it (with the fake pb_utils)."""
+    return sys.modules["response_outputs"]
+
+
 def every(module):
     """A request that names no outputs: all of them, on every response."""
-    return module._Selection(module.OUTPUT_NAMES, module.OUTPUT_NAMES)
+    return outputs_module().Selection(OUTPUT_NAMES, OUTPUT_NAMES)
 
 
 def output(final: bool, text: str = "x") -> StepOutput:
@@ -114,14 +122,14 @@ def test_a_failed_last_send_leaves_nothing_behind(model):
     (error, flags), = sender.sent
     assert flags == FINAL and error.error is not None
     other = Sender()  # the next request is served as usual
-    text_only = module._Selection(frozenset({"text_output"}), frozenset({"text_output"}))
+    text_only = outputs_module().Selection(frozenset({"text_output"}), frozenset({"text_output"}))
     m._handle((other, output(True, "ok"), 0.0, text_only), watched, failed)
     (response, flags), = other.sent
     assert flags == FINAL and [t.name for t in response.output_tensors] == ["text_output"]
 
 
 class Request:
-    """What ``_selection`` reads of a Triton request."""
+    """What ``read_selection`` reads of a Triton request."""
 
     def __init__(self, outputs=(), parameters=None):
         self.outputs, self.params = list(outputs), parameters
@@ -139,7 +147,7 @@ def test_finish_only_outputs_travel_only_on_responses_that_end_a_sequence_or_the
     carry every requested output."""
     module, m = model
     wanted = ["text_output", "index", "finish_reason", "prompt_tokens", "batch_size"]
-    selection = module._selection(Request(wanted, {"finish_only_outputs": "finish_reason, prompt_tokens,batch_size"}))
+    selection = outputs_module().read_selection(Request(wanted, {"finish_only_outputs": "finish_reason, prompt_tokens,batch_size"}))
     sender = Sender()
     sequence_end = output(False, "b")
     sequence_end.finish_reason = "stop"
@@ -152,11 +160,11 @@ def test_finish_only_outputs_travel_only_on_responses_that_end_a_sequence_or_the
 
 def test_without_finish_only_outputs_every_response_carries_what_was_asked_for(model):
     module, _ = model
-    assert module._selection(Request()) == (module.OUTPUT_NAMES, module.OUTPUT_NAMES)
-    asked = module._selection(Request(["text_output", "seed"], {"other": 1}))
+    assert outputs_module().read_selection(Request()) == (OUTPUT_NAMES, OUTPUT_NAMES)
+    asked = outputs_module().read_selection(Request(["text_output", "seed"], {"other": 1}))
     assert asked.ending == asked.running == {"text_output", "seed"}
     # a name the request did not ask for changes nothing; only asked-for outputs are sent
-    some = module._selection(Request(["text_output"], {"finish_only_outputs": "seed"}))
+    some = outputs_module().read_selection(Request(["text_output"], {"finish_only_outputs": "seed"}))
     assert some.ending == some.running == {"text_output"}
 
 
@@ -167,7 +175,7 @@ def test_without_finish_only_outputs_every_response_carries_what_was_asked_for(m
 def test_a_bad_finish_only_outputs_parameter_is_a_400_naming_it(model, value, message):
     module, _ = model
     with pytest.raises(module.InvalidParameter, match="finish_only_outputs") as err:
-        module._selection(Request(["text_output"], {"finish_only_outputs": value}))
+        outputs_module().read_selection(Request(["text_output"], {"finish_only_outputs": value}))
     assert message in str(err.value) and err.value.wire().startswith("[400]")
 
 
@@ -292,3 +300,65 @@ def test_the_sender_loop_marks_itself_busy_only_during_a_call(model):
     m._outbox.put(None)
     m._send_loop()
     assert seen and seen[0] > 0 and m._busy_since == 0.0
+
+
+class Submitting:
+    """What ``_submit`` reads: stand-ins for the Triton request, the engine and the metrics."""
+
+    class Request:
+        def __init__(self, request_id: str, params: dict):
+            self.id, self.params = request_id, json.dumps(params)
+
+        def request_id(self):
+            return self.id
+
+    class Sender(Sender):
+        def is_cancelled(self):
+            return False
+
+    def __init__(self, module, m, monkeypatch, prepare):
+        self.order = []
+        order = self.order
+
+        class Engine:
+            def prepare(self, req):
+                prepare(req)
+                order.append(("prepare", req.request_id))
+
+            def submit(self, req):
+                order.append(("submit", req.request_id))
+
+        m.engine, m.max_n, m._outbox = Engine(), 8, queue.SimpleQueue()
+        m._grammar_admission = ThreadPoolExecutor(max_workers=1)
+        m.metrics.on_request = lambda prompt_tokens, key: None
+        monkeypatch.setattr(module, "_scalar",
+                            lambda request, name: request.params if name == "sampling_parameters" else None)
+        monkeypatch.setattr(module, "read_selection", lambda request: None)
+        monkeypatch.setattr(m, "_prompt_ids", lambda request: [1, 2])
+
+
+def test_a_structured_request_is_admitted_off_the_execute_thread(model, monkeypatch):
+    module, m = model
+    release = threading.Event()
+    s = Submitting(module, m, monkeypatch, lambda req: req.params.response_format and release.wait(5))
+    m._submit(s.Request("a", {"response_format": {"type": "json_object"}}), s.Sender())
+    m._submit(s.Request("b", {}), s.Sender())
+    assert s.order == [("prepare", "b"), ("submit", "b")]  # not held behind a's grammar
+    release.set()
+    m._grammar_admission.shutdown(wait=True)
+    assert s.order[2:] == [("prepare", "a"), ("submit", "a")]
+
+
+def test_a_structured_request_refused_off_the_execute_thread_still_gets_its_error_final(model, monkeypatch):
+    module, m = model
+
+    def prepare(req):
+        raise module.InvalidParameter("response_format cannot be used: boom")
+
+    s = Submitting(module, m, monkeypatch, prepare)
+    sender = s.Sender()
+    m._submit(s.Request("a", {"response_format": {"type": "json_object"}}), sender)
+    m._grammar_admission.shutdown(wait=True)
+    (item,) = [m._outbox.get_nowait() for _ in range(m._outbox.qsize())]
+    assert item[0] is sender and isinstance(item[1], EngineError) and "boom" in str(item[1])
+    assert s.order == []

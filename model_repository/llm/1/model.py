@@ -19,17 +19,17 @@ import queue
 import sys
 import threading
 import time
-from typing import NamedTuple
+from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 from cancel_flags import CancelFlags
 from llm_engine.config import load_settings
-from llm_engine.contract import FINISH_ONLY_OUTPUTS, OUTPUT_NAMES, finish_only_outputs
 from llm_engine.cpu_cores import instance_count, pin_current_thread
 from llm_engine.errors import EngineError, InvalidParameter
 from llm_engine.params import parse_sampling_parameters
 from llm_engine.sequence import Request, StepOutput
+from llm_engine.structured import STRUCTURED_TYPES
+from response_outputs import read_selection, response_of
 
 log = logging.getLogger("llm_engine.model")
 
@@ -79,6 +79,9 @@ class TritonPythonModel:
         self._finalizing = False
         self._sender = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self._sender.start()
+        # A response_format's grammar can take a second to compile (llguidance releases the
+        # GIL meanwhile): those requests are admitted here, so execute() never waits for one.
+        self._grammar_admission = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-grammar")
         self.metrics.start(self.engine)
         self.engine.start()
         threading.Thread(target=_exit_with_tritonserver, args=(os.getppid(),), name="llm-parent-watch",
@@ -138,19 +141,37 @@ class TritonPythonModel:
         stream_flag = _scalar(request, "stream")
         stream = True if stream_flag is None else bool(stream_flag)
         req_id = request.request_id() or f"triton-{id(request):x}"
-        selection = _selection(request)
+        selection = read_selection(request)
         cancelled = threading.Event()
         req = Request(
             request_id=req_id, prompt_ids=prompt_ids, params=params, stream=stream,
             emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0, selection)),
             is_cancelled=cancelled.is_set,
         )
+        if (params.response_format or {}).get("type") in STRUCTURED_TYPES:
+            self._grammar_admission.submit(self._admit_guarded, req, sender, cancelled, selection)
+        else:
+            self._admit(req, sender, cancelled, selection)
+
+    def _admit_guarded(self, req: Request, sender, cancelled: threading.Event, selection) -> None:
+        """:meth:`_admit` off the execute thread, where its errors must still end the request."""
+        try:
+            self._admit(req, sender, cancelled, selection)
+        except EngineError as exc:
+            self._end_with_error(sender, exc)
+        except Exception as exc:
+            log.exception("could not submit a request")
+            self._end_with_error(sender, EngineError(f"internal error: {exc}"))
+
+    def _admit(self, req: Request, sender, cancelled: threading.Event, selection) -> None:
+        """Check the request against the engine's limits (``prepare``) and queue it."""
+        prompt_tokens = len(req.prompt_ids)  # as received (prepare may truncate it)
         self.engine.prepare(req)
         # From here on only the sender thread touches this sender: it polls it for a
         # cancel until it has sent the FINAL, and never after (querying a finished
         # sender crashed tritonserver).
-        self._outbox.put((sender, _Watch(sender.is_cancelled, cancelled, req_id), 0.0, selection))
-        self.metrics.on_request(len(prompt_ids), id(sender))  # before its outputs can be sent
+        self._outbox.put((sender, _Watch(sender.is_cancelled, cancelled, req.request_id), 0.0, selection))
+        self.metrics.on_request(prompt_tokens, id(sender))  # before its outputs can be sent
         try:
             self.engine.submit(req)
         except EngineError as exc:
@@ -241,7 +262,7 @@ class TritonPythonModel:
                 watched.pop(key, None)
             self.metrics.on_output(out, t0, key)
             ending = out.final or bool(out.finish_reason)
-            sender.send(_response(out, selection.ending if ending else selection.running),
+            sender.send(response_of(out, selection.ending if ending else selection.running),
                         flags=FINAL if out.final else 0)
         except Exception as exc:
             # The request must still end: an error FINAL (refused if it was already closed),
@@ -266,6 +287,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         log.info("finalizing: stopping the engine")
         self._finalizing = True  # the sender thread ends below: not a reason to exit
+        self._grammar_admission.shutdown(wait=True)  # what it admits, engine.stop() then ends
         self.engine.stop()  # fails what is still queued or running: their FINALs go out below
         self._outbox.put(None)
         self._sender.join(timeout=10)
@@ -299,26 +321,6 @@ class _Watch:
 
 
 _STOPPED = object()  # the outbox item that answers a stop_request_id call
-
-
-class _Selection(NamedTuple):
-    """The outputs a request's responses carry: ``ending`` on a response that ends a
-    sequence (a finish reason) or the request (FINAL), ``running`` on the others."""
-
-    ending: frozenset[str]
-    running: frozenset[str]
-
-
-def _selection(request) -> _Selection:
-    """The outputs the request asked for (all when it names none), less its
-    ``finish_only_outputs`` parameter's on the responses that end nothing."""
-    wanted = frozenset(request.requested_output_names()) or OUTPUT_NAMES
-    try:
-        parameters = json.loads(request.parameters() or "{}")
-    except ValueError:
-        parameters = {}
-    at_finish = finish_only_outputs(parameters.get(FINISH_ONLY_OUTPUTS))
-    return _Selection(wanted, wanted - at_finish)
 
 
 def _poll_cancels(watched: dict[int, _Watch], flags: CancelFlags) -> None:
@@ -373,30 +375,3 @@ def _scalar(request, name: str):
         return None
     arr = tensor.as_numpy().reshape(-1)
     return arr[0] if arr.size else None
-
-
-def _response(out: StepOutput, wanted: frozenset[str]):
-    """Only the outputs in ``wanted``. ``send()`` drops the others itself, but it
-    does so with the GIL released, and dropping a tensor frees its numpy array: under
-    load that corrupted the stub's heap (a segfault in libpython's allocator, seen with
-    llm_unary's BLS calls, which do not ask for ``queue_wait_us``)."""
-    def t(name, value, dtype):
-        if name not in wanted:
-            return None
-        return pb_utils.Tensor(name, np.asarray(value, dtype=dtype).reshape(1, -1))
-
-    tensors = [
-        t("text_output", [out.text.encode("utf-8")], np.object_),
-        t("index", [out.index], np.int32),
-        t("token_ids", out.token_ids, np.int64),
-        t("finish_reason", [out.finish_reason.encode()], np.object_),
-        t("prompt_tokens", [out.prompt_tokens], np.int32),
-        t("cached_tokens", [out.cached_tokens], np.int32),
-        t("completion_tokens", [out.completion_tokens], np.int32),
-        t("cumulative_logprob", [out.cumulative_logprob], np.float32),
-        t("seed", [out.seed], np.uint64),
-        t("batch_size", out.batch_size, np.int32),
-        t("queue_wait_us", out.queue_wait_us, np.int64),
-        t("logprobs", [json.dumps(out.logprobs).encode() if out.logprobs is not None else b""], np.object_),
-    ]
-    return pb_utils.InferenceResponse(output_tensors=[tensor for tensor in tensors if tensor is not None])

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT_TYPES = ("text", "json_object", "json_schema")
+STRUCTURED_TYPES = ("json_object", "json_schema")
+FORMAT_TYPES = ("text", *STRUCTURED_TYPES)
 # Compact JSON, whatever the schema's own "x-guidance" says: a small model given free
 # whitespace can emit newlines until max_tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False}
