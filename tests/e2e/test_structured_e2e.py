@@ -101,3 +101,20 @@ def test_direct_triton_caller_sets_response_format_in_sampling_parameters(stack)
     follows_schema(text)
     _, error = run({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}})
     assert "[400]" in error and "response_format" in error and "frob" in error
+
+
+def test_readme_structured_output_example_runs(stack):
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "Describe Paris as JSON" in b]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"client": openai.OpenAI(base_url=stack.url + "/v1", api_key="x")})
+    text, reason = out.getvalue().strip().rsplit(" ", 1)
+    assert reason == "stop"
+    obj = json.loads(text)
+    assert list(obj) == ["city", "country", "capital"] and isinstance(obj["capital"], bool)
