@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm_engine.errors import InvalidParameter
-from llm_engine.structured import grammar_for
+from llm_engine.structured import compile_schema
 from pydantic import BaseModel, Field
 
 from adapter.errors import MindIEError, validation_error
@@ -267,7 +266,7 @@ def check_response_format(body: dict) -> str | None:
     """``response_format`` (spec §2.1, source rules); returns the structured type or None.
 
     ``{"type": "text"}`` is the same as absent. A schema must also compile into the
-    engine's grammar (:func:`llm_engine.structured.grammar_for`), so a 422 comes here and
+    engine's grammar (:func:`llm_engine.structured.compile_schema`), so a 422 comes here and
     not from the engine.
     """
     fmt = body.get("response_format")
@@ -309,10 +308,9 @@ def check_response_format(body: dict) -> str | None:
         if not isinstance(schema, dict):
             raise validation_error("Parameter response_format.json_schema.schema must be an object")
         _check_schema_types(schema, "schema")
-    try:
-        grammar_for(fmt)
-    except InvalidParameter as exc:
-        raise validation_error(f"Invalid json_schema: {str(exc).split(': ', 1)[-1]}") from None
+        problem = compile_schema(schema)[1]
+        if problem:
+            raise validation_error(f"Invalid json_schema: {problem}")
     return kind
 
 

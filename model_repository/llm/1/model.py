@@ -28,7 +28,6 @@ from llm_engine.cpu_cores import instance_count, pin_current_thread
 from llm_engine.errors import EngineError, InvalidParameter
 from llm_engine.params import parse_sampling_parameters
 from llm_engine.sequence import Request, StepOutput
-from llm_engine.structured import STRUCTURED_TYPES
 from response_outputs import read_selection, response_of
 
 log = logging.getLogger("llm_engine.model")
@@ -148,7 +147,7 @@ class TritonPythonModel:
             emit=lambda out, s=sender, t0=time.monotonic(): self._outbox.put((s, out, t0, selection)),
             is_cancelled=cancelled.is_set,
         )
-        if (params.response_format or {}).get("type") in STRUCTURED_TYPES:
+        if params.structured:
             self._grammar_admission.submit(self._admit_guarded, req, sender, cancelled, selection)
         else:
             self._admit(req, sender, cancelled, selection)

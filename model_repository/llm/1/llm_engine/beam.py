@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .sampler import NEG_INF
+
 
 @dataclass
 class Hypothesis:
@@ -50,7 +52,7 @@ def select(logprobs: torch.Tensor, cumulative: list[float], width: int, stop_ids
     live: list[Candidate] = []
     ended: list[Candidate] = []
     for score, idx in zip(flat_scores.tolist(), flat_idx.tolist()):
-        if score == float("-inf"):
+        if score == NEG_INF:
             break  # masked out (structured output), as is everything after it
         parent, token = divmod(idx, vocab)
         cand = Candidate(parent, token, float(logprobs[parent, token]), score)

@@ -15,7 +15,7 @@ from . import beam as beam_search
 from . import contract
 from .errors import EngineError
 from .outputs import logprob_entry
-from .sampler import NEG_INF
+from .sampler import alternatives
 from .sequence import Request, Sequence, Status, StepOutput
 from .structured import accept
 
@@ -143,5 +143,4 @@ def _alternatives(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]
     if k <= 0:
         return [[] for _ in range(logprobs.shape[0])]
     values, ids = torch.topk(logprobs.float(), min(k, logprobs.shape[-1]), dim=-1)
-    return [[(t, v) for t, v in zip(row_ids, row_values) if v != NEG_INF]  # not masked out
-            for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return [alternatives(row_ids, row_values) for row_ids, row_values in zip(ids.tolist(), values.tolist())]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import InvalidParameter
-from .structured import grammar_for
+from .structured import STRUCTURED_TYPES, grammar_for
 
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
@@ -48,6 +48,11 @@ class SamplingParams:
         """Whether sampling is off. An unset temperature counts as sampling here: the engine
         fills the model's default in (:func:`llm_engine.admission.fill_defaults`) and checks again."""
         return (self.temperature is not None and self.temperature < 1e-6) or self.do_sample is False
+
+    @property
+    def structured(self) -> bool:
+        """Whether ``response_format`` constrains the output (json_object or json_schema)."""
+        return (self.response_format or {}).get("type") in STRUCTURED_TYPES
 
     @property
     def num_sequences(self) -> int:

@@ -15,6 +15,12 @@ import torch
 NEG_INF = float("-inf")
 
 
+def alternatives(ids: list[int], values: list[float]) -> list[tuple[int, float]]:
+    """``(token, logprob)`` pairs, best first, less those a grammar masked out (``-inf`` is
+    not valid JSON, and no token there could have been chosen)."""
+    return [(t, v) for t, v in zip(ids, values) if v != NEG_INF]
+
+
 @dataclass
 class RowSpec:
     """Sampling settings of one logits row."""
@@ -90,7 +96,7 @@ def sample(logits: torch.Tensor, rows: list[RowSpec], row_stats: RowStats | None
         ids = ids.tolist()
         for j, i in enumerate(want):
             n = rows[i].logprobs
-            top[i] = [(t, v) for t, v in zip(ids[j][:n], vals[j][:n]) if v != NEG_INF]  # not masked out
+            top[i] = alternatives(ids[j][:n], vals[j][:n])
     return SampleResult(tokens.tolist(), chosen, top)
 
 

@@ -56,14 +56,19 @@ def grammar_for(fmt: Any) -> str | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise InvalidParameter("response_format.json_schema.schema must be a JSON object")
-    try:
-        text = json.dumps(schema)  # in the schema's own order: properties come out in that order
-    except (TypeError, ValueError) as exc:
-        raise InvalidParameter(f"response_format.json_schema.schema is not a valid JSON schema: {exc}") from None
-    grammar, problem = _compile(text)
+    grammar, problem = compile_schema(schema)
     if problem:
         raise InvalidParameter(f"response_format.json_schema.schema is not a valid JSON schema: {problem}")
     return grammar
+
+
+def compile_schema(schema: dict) -> tuple[str, str]:
+    """A JSON schema's grammar, and what is wrong with it ("" if nothing)."""
+    try:
+        text = json.dumps(schema)  # in the schema's own order: properties come out in that order
+    except (TypeError, ValueError) as exc:
+        return "", str(exc)
+    return _compile(text)
 
 
 @functools.lru_cache(maxsize=128)
