@@ -17,7 +17,8 @@ from tests.unit.engine_harness import Run, build
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "properties": {"name": {"type": "string", "maxLength": 20},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 200}},
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -29,7 +30,7 @@ def follows_person(text: str) -> dict:
     obj = json.loads(text)
     assert set(obj) == {"name", "age"}
     assert isinstance(obj["name"], str) and len(obj["name"]) <= 20
-    assert isinstance(obj["age"], int)
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 200
     return obj
 
 
