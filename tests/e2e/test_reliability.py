@@ -227,13 +227,15 @@ def test_past_maxlinknum_requests_wait_and_past_the_queue_get_an_immediate_503(a
     a = adapter_with(maxLinkNum=1)
     a.wait()
     with httpx.Client(timeout=60) as c, c.stream(
-            "POST", a.url + "/v1/completions", json=dict(GOOD, max_tokens=150, ignore_eos=True, stream=True)) as first:
+            "POST", a.url + "/v1/completions", json=dict(GOOD, max_tokens=500, ignore_eos=True, stream=True)) as first:
+        # 500 tokens hold the link for seconds: 150 took less than the second below on an
+        # AVX512-BF16 EPYC (~170 tokens/s), and the queued requests then ran
         assert first.status_code == 200
         events = first.iter_lines()
         assert next(events).startswith("data: ")  # generating: it holds the only link
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             queued = [pool.submit(httpx.post, a.url + "/v1/completions", json=GOOD, timeout=60) for _ in range(2)]
-            time.sleep(1.0)  # both queued by now
+            time.sleep(0.5)  # both queued by now
             t0 = time.monotonic()
             r = httpx.post(a.url + "/v1/completions", json=GOOD, timeout=10)
             assert r.status_code == 503 and r.headers["retry-after"], r.text
