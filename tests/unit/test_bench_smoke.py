@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -238,10 +239,11 @@ def test_descendants_finds_a_child_process() -> None:
 
 
 def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
-    """llama-server ends with an empty event carrying the finish reason and usage: not a token."""
-    import httpx
+    """llama-server ends with an empty event carrying the finish reason and usage: not a token.
+    Served over real HTTP (an aiohttp server on a free port), in chunks that split events."""
+    from aiohttp import web
 
-    from bench.load import sse_request
+    from bench.load import http_client, sse_request
 
     def chunk(text: str, finish: str | None, usage: dict | None = None) -> str:
         body = {"choices": [{"text": text, "index": 0, "finish_reason": finish}]}
@@ -249,15 +251,39 @@ def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    stream = chunk("a", None) + chunk(" b", None) + chunk("", "length", {"completion_tokens": 2}) + "data: [DONE]\n\n"
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=stream))
+    stream = (chunk("a", None) + chunk(" b", None) + chunk("", "length", {"completion_tokens": 2})
+              + "data: [DONE]\n\n").encode()
 
-    async def go() -> StreamTrace:
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await sse_request(client, "http://peer/v1/completions", {})
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(0, len(stream), 37):  # chunk borders inside events and lines
+            await resp.write(stream[i:i + 37])
+        await resp.write_eof()
+        return resp
 
-    trace = asyncio.run(go())
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": "busy"}, status=503)
+
+    async def go() -> tuple[StreamTrace, StreamTrace]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/busy", refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.create_server(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        await web.SockSite(runner, sock).start()
+        try:
+            async with http_client() as client:
+                return (await sse_request(client, f"http://127.0.0.1:{port}/v1/completions", {}),
+                        await sse_request(client, f"http://127.0.0.1:{port}/busy", {}))
+        finally:
+            await runner.cleanup()
+
+    trace, refused = asyncio.run(go())
     assert not trace.error and trace.tokens == 2 and len(trace.token_times) == 2
+    assert refused.error.startswith("HTTP 503") and not refused.token_times
 
 
 def test_wait_ready_fails_fast_when_the_server_exits(tmp_path) -> None:
