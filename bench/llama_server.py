@@ -102,4 +102,5 @@ def run_llama_server(workload: Workload, log_path: Path, binary: str | None = No
         log.warning("skipping the llama-server peer: %s", why)
         return [RunResult(system=SYSTEM, concurrency=max(workload.concurrencies), dtype="Q4_1", note=why)]
     with LlamaServer(found, default_gguf_path(), max(workload.concurrencies), log_path) as server:
-        return asyncio.run(drive_completions(server.base_url, SYSTEM, workload, SYSTEM, "Q4_1"))
+        # it closes each connection after a stream (while announcing keep-alive): see http_client
+        return asyncio.run(drive_completions(server.base_url, SYSTEM, workload, SYSTEM, "Q4_1", keep_alive=False))

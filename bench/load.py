@@ -146,11 +146,16 @@ async def sse_request(client: aiohttp.ClientSession, url: str, body: dict) -> St
     return trace
 
 
-def http_client() -> aiohttp.ClientSession:
+def http_client(keep_alive: bool = True) -> aiohttp.ClientSession:
     """The clients' HTTP session: aiohttp, whose C parser took 0.09-0.14 ms of CPU per streamed
     token where httpx took 0.16-0.23 (32 and 8 streams, measured on the 2-core EPYC): on a
-    machine the clients share with the stack, that CPU is taken from the engine's cores."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256),
+    machine the clients share with the stack, that CPU is taken from the engine's cores.
+
+    ``keep_alive=False``: a new connection per request, for a server that closes its
+    connection after a stream while announcing keep-alive (llama-server does): aiohttp then
+    reuses the closed one and fails the next request ("Can not write request body", every
+    other request of one client), where httpx noticed and reconnected."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, force_close=not keep_alive),
                                  timeout=aiohttp.ClientTimeout(total=600.0))
 
 
@@ -164,9 +169,9 @@ def completions_sender(client: aiohttp.ClientSession, base_url: str, model: str)
 
 
 async def drive_completions(base_url: str, model: str, workload: Workload, system: str,
-                            dtype: str) -> list[RunResult]:
+                            dtype: str, keep_alive: bool = True) -> list[RunResult]:
     """Any streaming ``/v1/completions`` server, as :func:`drive` runs it (with its staggered run)."""
-    async with http_client() as client:
+    async with http_client(keep_alive) as client:
         return await drive({system: completions_sender(client, base_url, model)}, workload, dtype,
                            stagger=(system,))
 
