@@ -286,6 +286,39 @@ def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
     assert refused.error.startswith("HTTP 503") and not refused.token_times
 
 
+def test_clients_without_keep_alive_survive_a_server_that_closes_after_each_stream() -> None:
+    """llama-server announces keep-alive but closes the connection after a stream; aiohttp
+    would reuse the closed one. ``http_client(keep_alive=False)`` connects per request."""
+    from bench.load import http_client, sse_request
+
+    body = (b'data: {"choices": [{"text": "a", "index": 0, "finish_reason": null}]}\n\n'
+            b"data: [DONE]\n\n")
+    response = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+                b"Keep-Alive: timeout=5, max=100\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        writer.write(response)
+        await writer.drain()
+        writer.close()  # despite "Connection: keep-alive"
+
+    async def go() -> list[StreamTrace]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with http_client(keep_alive=False) as client:
+                return [await sse_request(client, f"http://127.0.0.1:{port}/v1/completions", {}) for _ in range(4)]
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    traces = asyncio.run(go())
+    assert [(t.error, t.tokens) for t in traces] == [("", 1)] * 4
+
+
 def test_wait_ready_fails_fast_when_the_server_exits(tmp_path) -> None:
     from bench.stack import wait_ready
 
