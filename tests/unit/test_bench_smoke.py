@@ -7,7 +7,6 @@ import csv
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -238,13 +237,53 @@ def test_descendants_finds_a_child_process() -> None:
         child.wait()
 
 
-def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
-    """llama-server ends with an empty event carrying the finish reason and usage: not a token.
-    Served over real HTTP (an aiohttp server on a free port), in chunks that split events."""
-    from aiohttp import web
+def _http_response(status: str, body: bytes, content_type: str = "text/event-stream") -> bytes:
+    """A whole HTTP/1.1 response that announces keep-alive."""
+    return (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nConnection: keep-alive\r\n"
+            f"Keep-Alive: timeout=5, max=100\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
+
+def _clients_against(responses: list[bytes], close_after_each: bool, keep_alive: bool = True) -> list[StreamTrace]:
+    """``bench.load``'s client (``sse_request`` over ``http_client``) sending one request per
+    response to a local raw HTTP server, which writes each response in 37-byte pieces (borders
+    inside events and lines) and, with ``close_after_each``, then closes its connection."""
     from bench.load import http_client, sse_request
 
+    pending = list(responses)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while pending:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break  # the client closed this connection
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            response = pending.pop(0)
+            for i in range(0, len(response), 37):
+                writer.write(response[i:i + 37])
+                await writer.drain()
+            if close_after_each:
+                break
+        writer.close()
+
+    async def go() -> list[StreamTrace]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        try:
+            async with http_client(keep_alive) as client:
+                return [await sse_request(client, url, {}) for _ in responses]
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    return asyncio.run(go())
+
+
+def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
+    """llama-server ends with an empty event carrying the finish reason and usage: not a token.
+    Served over real HTTP, in pieces that split events; then a refusal."""
     def chunk(text: str, finish: str | None, usage: dict | None = None) -> str:
         body = {"choices": [{"text": text, "index": 0, "finish_reason": finish}]}
         if usage:
@@ -253,35 +292,9 @@ def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
 
     stream = (chunk("a", None) + chunk(" b", None) + chunk("", "length", {"completion_tokens": 2})
               + "data: [DONE]\n\n").encode()
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(0, len(stream), 37):  # chunk borders inside events and lines
-            await resp.write(stream[i:i + 37])
-        await resp.write_eof()
-        return resp
-
-    async def refuse(request: web.Request) -> web.Response:
-        return web.json_response({"error": "busy"}, status=503)
-
-    async def go() -> tuple[StreamTrace, StreamTrace]:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_post("/busy", refuse)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        sock = socket.create_server(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        await web.SockSite(runner, sock).start()
-        try:
-            async with http_client() as client:
-                return (await sse_request(client, f"http://127.0.0.1:{port}/v1/completions", {}),
-                        await sse_request(client, f"http://127.0.0.1:{port}/busy", {}))
-        finally:
-            await runner.cleanup()
-
-    trace, refused = asyncio.run(go())
+    trace, refused = _clients_against([_http_response("200 OK", stream),
+                                       _http_response("503 Service Unavailable", b'{"error": "busy"}',
+                                                      "application/json")], close_after_each=False)
     assert not trace.error and trace.tokens == 2 and len(trace.token_times) == 2
     assert refused.error.startswith("HTTP 503") and not refused.token_times
 
@@ -289,33 +302,8 @@ def test_sse_parser_counts_tokens_not_a_closing_event() -> None:
 def test_clients_without_keep_alive_survive_a_server_that_closes_after_each_stream() -> None:
     """llama-server announces keep-alive but closes the connection after a stream; aiohttp
     would reuse the closed one. ``http_client(keep_alive=False)`` connects per request."""
-    from bench.load import http_client, sse_request
-
-    body = (b'data: {"choices": [{"text": "a", "index": 0, "finish_reason": null}]}\n\n'
-            b"data: [DONE]\n\n")
-    response = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
-                b"Keep-Alive: timeout=5, max=100\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
-        await reader.readexactly(length)
-        writer.write(response)
-        await writer.drain()
-        writer.close()  # despite "Connection: keep-alive"
-
-    async def go() -> list[StreamTrace]:
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            async with http_client(keep_alive=False) as client:
-                return [await sse_request(client, f"http://127.0.0.1:{port}/v1/completions", {}) for _ in range(4)]
-        finally:
-            server.close()
-            await server.wait_closed()
-
-    traces = asyncio.run(go())
+    body = b'data: {"choices": [{"text": "a", "index": 0, "finish_reason": null}]}\n\ndata: [DONE]\n\n'
+    traces = _clients_against([_http_response("200 OK", body)] * 4, close_after_each=True, keep_alive=False)
     assert [(t.error, t.tokens) for t in traces] == [("", 1)] * 4
 
 
