@@ -163,11 +163,11 @@ def test_the_engine_runs_every_decoder_linear_on_the_gguf_blocks(q4_engine):
     projections = [*runner.qkv, *runner.o_proj, *runner.gate_up, *runner.down]
     assert len(projections) == 120 and all(isinstance(lin, PackedQ4Linear) for lin in projections)
     assert runner.fused_layers is not None  # decode steps still run every layer in one C call
-    assert sum(lin.packed.numel() for lin in projections) == 106_168_320 * 3 // 4
+    assert sum(lin.packed.numel() for lin in projections) == 106_168_320 * 5 // 8
     if runner.ops.has_linear_q8:  # the tied head on the token embedding's Q8_0 blocks
         assert isinstance(runner.lm_head, PackedQ8Linear)
         # what the bench's memory-bound limit divides by: the Q4_1 blocks and the head's int8 copy
-        assert runner.weight_bytes_per_token() == 106_168_320 * 3 // 4 + 49152 * 576 * 9 // 8
+        assert runner.weight_bytes_per_token() == 106_168_320 * 5 // 8 + 49152 * 576 * 17 // 16
 
 
 def test_the_q4_engine_answers_like_the_dense_one(q4_engine):

@@ -13,8 +13,8 @@ import torch
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # GGUF block formats: bytes per block of 32 weights, and packed bytes per weight (num, den) per dtype
-GGUF_FORMATS = {"Q4_1": (20, {torch.bfloat16: (3, 4), torch.float32: (5, 8)}),
-                "Q8_0": (34, {torch.bfloat16: (9, 8), torch.float32: (17, 16)})}
+GGUF_FORMATS = {"Q4_1": (20, {torch.bfloat16: (5, 8), torch.float32: (5, 8)}),
+                "Q8_0": (34, {torch.bfloat16: (17, 16), torch.float32: (17, 16)})}
 
 
 class GgufBlockOps:
@@ -77,12 +77,12 @@ class GgufBlockOps:
 
     def q4_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """GGUF Q4_1 blocks ``uint8 [N, K / 32 * 20]`` in the layout :meth:`linear_q4` reads
-        (``uint8 [N * K * 3 / 4]``), or in float32 :meth:`linear_row_blocks` (``[N * K * 5 / 8]``)."""
+        (``uint8 [N * K * 5 / 8]``), or in float32 :meth:`linear_row_blocks` (``[N * K * 5 / 8]``)."""
         return self._pack("Q4_1", self._q4_pack, blocks, n, k)
 
     def q8_pack(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """GGUF Q8_0 blocks ``uint8 [N, K / 32 * 34]`` in the layout :meth:`linear_q8` reads
-        (``uint8 [N * K * 9 / 8]``), or in float32 :meth:`linear_row_blocks` (``[N * K * 17 / 16]``)."""
+        (``uint8 [N * K * 17 / 16]``), or in float32 :meth:`linear_row_blocks` (``[N * K * 17 / 16]``)."""
         return self._pack("Q8_0", self._q8_pack, blocks, n, k)
 
     def q4_dequantize(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ The engine normally runs on the float weights transformers dequantises a GGUF in
 ``gguf`` (or ``auto``, where it applies) the runner instead keeps, for every layer's q/k/v,
 o, gate/up and down projections, the file's own Q4_1 blocks, in the order of its fused
 projections, and for the lm_head the Q8_0 blocks of ``output.weight`` or, where the head is
-tied, of ``token_embd.weight``. Reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead
+tied, of ``token_embd.weight``. Reading 0.625 (Q4_1) or 1.0625 (Q8_0) bytes a weight instead
 of bfloat16's 2 is what a few streams wait on.
 
 Each projection's and the head's blocks are checked at load: dequantised (and rounded to

@@ -30,11 +30,11 @@ against 14.0 at 8 rows and 25.4 against 27.9 at 32 rows (~340 GFLOP/s).
 
 GGUF Q4_1 blocks (``ModelConfig.cpuLinearWeights``, :class:`PackedQ4Linear`). Where the
 model is a GGUF whose layer Linears are Q4_1 (the embedded SmolLM2 is), the decoder
-Linears can read those blocks, 0.75 bytes a weight, instead of the dequantised bfloat16
+Linears can read those blocks, 0.625 bytes a weight, instead of the dequantised bfloat16
 weights (``csrc/linear_q4.c``, on AVX512-BF16; :mod:`.gguf_blocks` maps and checks the
 blocks). Batch-invariant by construction too, with other last bits than the bfloat16
 kernel (a scale per block of 32, applied in float32). The lm_head likewise reads the
-GGUF's Q8_0 blocks (:class:`PackedQ8Linear`, ``csrc/linear_q8.c``), 1.125 bytes a weight
+GGUF's Q8_0 blocks (:class:`PackedQ8Linear`, ``csrc/linear_q8.c``), 1.0625 bytes a weight
 for one or two rows.
 
 float32 on CPU. Whether oneDNN's prepacked kernel beats ``F.linear`` (MKL) depends on the
@@ -134,10 +134,11 @@ class PackedBf16Linear:
 class PackedQ4Linear:
     """GGUF Q4_1 weights on the fused kernels' Q4 Linear (``csrc/linear_q4.c``, AVX512-BF16;
     ``ModelConfig.cpuLinearWeights``), batch-invariant as it is. Holds only the packed blocks,
-    0.75 bytes a weight. Over SmolLM2-135M's 120 layer matmuls on a 2-core AMD EPYC (best of
-    four, taking turns with the bfloat16 kernel, ms): 4.4-4.7 against 8.0-8.3 at one row, 4.6
-    against 9.1 at two, 4.6 against 7.5 at four, 7.0 against 8.1 at eight, 12.7 against 13.9
-    at 16, 22.5 against 22.5 at 32, 39.5 against 38.0 at 64 and 159 against 145 at 256 rows."""
+    0.625 bytes a weight. Over SmolLM2-135M's 120 layer matmuls on a 2-core AMD EPYC (best of
+    four, taking turns with the bfloat16 kernel, ms, when the record held float32 scales):
+    4.4-4.7 against 8.0-8.3 at one row, 7.0 against 8.1 at eight, 22.5 against 22.5 at 32 and
+    159 against 145 at 256 rows. The file's float16 scales: 3.4 against 3.9-4.7 at one row
+    (median of 15, taking turns with float32 ones), the same at 32, the same bits."""
 
     def __init__(self, blocks: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, ops):
         self.ops = ops
@@ -151,7 +152,7 @@ class PackedQ4Linear:
 
 class PackedQ8Linear:
     """The lm_head of a GGUF whose head is Q8_0 (``ModelConfig.cpuLinearWeights``): calls of up
-    to :attr:`NARROW_ROWS` rows read the Q8_0 codes (``csrc/linear_q8.c``, 1.125 bytes a weight
+    to :attr:`NARROW_ROWS` rows read the Q8_0 codes (``csrc/linear_q8.c``, 1.0625 bytes a weight
     against 2), more rows the AVX512-BF16 kernel's packed bfloat16 weight. The Q8 kernel gives
     that kernel's bits on the dequantised weight, so a row's bits do not depend on which served
     it. It rebuilds each weight from its code (seven vector instructions per 32), so it only pays

@@ -165,7 +165,7 @@ class ModelRunner:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights a one-token step reads: every projection and the lm_head in the form
-        its kernel reads (GGUF Q4_1 blocks: 0.75 bytes a weight; else the dtype's size), for the
+        its kernel reads (GGUF Q4_1 blocks: 0.625 bytes a weight; else the dtype's size), for the
         bench's memory-bound limit. Norms and the one embedding row are left out."""
         return self._weight_bytes_per_token
 

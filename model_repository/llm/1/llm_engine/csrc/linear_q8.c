@@ -4,7 +4,7 @@
  * Q8_0 keeps a weight row in blocks of 32: a float16 scale d and 32 int8 codes q, the weight
  * being d * q; transformers loads it as float32 d * q (exact) rounded to bfloat16, and the
  * loader checks that this is the weight the model holds (gguf_blocks.py). This kernel reads
- * the codes, 1.125 bytes a weight against bfloat16's 2, and rebuilds each bfloat16 weight
+ * the codes, 1.0625 bytes a weight against bfloat16's 2, and rebuilds each bfloat16 weight
  * on the fly the same way (int8 -> float32, times d, rounded to nearest even), then runs the
  * bfloat16 kernel's chain: per output lane, VDPBF16PS over K in pairs, in order, then the
  * float32 bias, then one rounding to bfloat16. Same operands, same order, same bits: so the
@@ -13,9 +13,10 @@
  * and a row's bits do not depend on which served it (linear.py's PackedQ8Linear).
  *
  * Layout (linear_q8_bf16_pack, from the GGUF's 34-byte blocks {half d, 32 int8}): for each
- * block of 16 outputs and each block of 32 inputs, a 576-byte record: 16 chunks of 32 bytes
+ * block of 16 outputs and each block of 32 inputs, a 544-byte record: 16 chunks of 32 bytes
  * of codes (byte j of chunk t: output j / 2, input 2 t + j % 2: the bfloat16 kernel's
- * operand order), then d of the 16 outputs as floats.
+ * operand order), then d of the 16 outputs as the file's float16s (32 bytes: 1.0625 bytes a
+ * weight in all, the GGUF's own size).
  *
  * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU); elsewhere
  * linear_q8_bf16_init() returns 0 and the other functions are not defined.
@@ -30,7 +31,7 @@
 #include "bf16_linear.h"
 
 #define Q8_BLOCK 34   /* GGUF: float16 d, 32 int8 codes */
-#define Q8_RECORD 576 /* 512 bytes of codes, 16 float d */
+#define Q8_RECORD 544 /* 512 bytes of codes, 16 half d */
 #define Q8_PANEL 3    /* 16-output blocks per panel */
 #define Q8_PANEL_ONE 6 /* ... for a single row */
 #define Q8_ROWS 4     /* rows per tile */
@@ -38,19 +39,17 @@
 
 int linear_q8_bf16_init(void) { return 1; }
 
-/* GGUF Q8_0 blocks [n][k / 32] of 34 bytes -> the layout above (n * k * 9 / 8 bytes);
+/* GGUF Q8_0 blocks [n][k / 32] of 34 bytes -> the layout above (n * k * 17 / 16 bytes);
  * n % 16 == 0, k % 32 == 0. */
 void linear_q8_bf16_pack(const uint8_t *gguf, uint8_t *packed, int64_t n, int64_t k) {
     const int64_t blocks = k / 32;
     for (int64_t nb = 0; nb < n / 16; nb++)
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *rec = packed + (nb * blocks + b) * Q8_RECORD;
-            float d[16];
+            uint16_t d[16];
             for (int o = 0; o < 16; o++) {
                 const uint8_t *src = gguf + ((nb * 16 + o) * blocks + b) * Q8_BLOCK;
-                uint16_t half;
-                memcpy(&half, src, sizeof half);
-                d[o] = _cvtsh_ss(half);
+                memcpy(&d[o], src, sizeof d[o]);
                 for (int t = 0; t < 16; t++)
                     for (int e = 0; e < 2; e++) rec[t * 32 + o * 2 + e] = src[2 + 2 * t + e];
             }
@@ -95,7 +94,7 @@ static inline __attribute__((always_inline)) void tile(const bf16 *x, int64_t k,
     for (int64_t b = 0; b < blocks; b++) {
         __m512 d_lo[Q8_PANEL_ONE], d_hi[Q8_PANEL_ONE];
         for (int c = 0; c < C; c++) {
-            const __m512 d = _mm512_loadu_ps((const float *)(w + (c * blocks + b) * Q8_RECORD + 512));
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + (c * blocks + b) * Q8_RECORD + 512)));
             d_lo[c] = _mm512_permutexvar_ps(lo_lanes, d);
             d_hi[c] = _mm512_permutexvar_ps(hi_lanes, d);
         }
