@@ -28,6 +28,7 @@ MAX_HEADER_BYTES = 16 * 1024  # h11 rejects a request whose head (all headers) i
 # streamWriteTimeout the adapter cancels it. Token streams need only a few KiB/s.
 SEND_BUFFER_BYTES = 256 * 1024
 UVICORN_HEADROOM = 64  # connections beyond 3 x maxLinkNum: health probes, metrics, the answers that shed load
+KEEP_ALIVE_SECONDS = 5  # an idle client connection is closed after this (uvicorn's default)
 
 
 class DrainingServer(uvicorn.Server):
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, http="h11",
         # a last bound on connections, above what the admission guard lets run and wait (3 x
         # maxLinkNum), so that overload gets the guard's 503 + Retry-After and health probes answer
-        limit_concurrency=srv.maxLinkNum * 3 + UVICORN_HEADROOM, timeout_graceful_shutdown=5, **ssl,
+        limit_concurrency=srv.maxLinkNum * 3 + UVICORN_HEADROOM, timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS, **ssl,
     )
     sockets = [_listen(listener, srv.streamWriteTimeout) for listener in planes]
     for listener in planes:

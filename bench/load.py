@@ -146,6 +146,9 @@ async def sse_request(client: aiohttp.ClientSession, url: str, body: dict) -> St
     return trace
 
 
+IDLE_SECONDS = 2.0  # how long the clients keep an idle connection (see http_client)
+
+
 def http_client(keep_alive: bool = True) -> aiohttp.ClientSession:
     """The clients' HTTP session: aiohttp, whose C parser took 0.09-0.14 ms of CPU per streamed
     token where httpx took 0.16-0.23 (32 and 8 streams, measured on the 2-core EPYC): on a
@@ -154,8 +157,14 @@ def http_client(keep_alive: bool = True) -> aiohttp.ClientSession:
     ``keep_alive=False``: a new connection per request, for a server that closes its
     connection after a stream while announcing keep-alive (llama-server does): aiohttp then
     reuses the closed one and fails the next request ("Can not write request body", every
-    other request of one client), where httpx noticed and reconnected."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, force_close=not keep_alive),
+    other request of one client), where httpx noticed and reconnected.
+
+    Idle connections are dropped after :data:`IDLE_SECONDS`, before the adapter's server
+    closes them (uvicorn's keep-alive, 5 s): with aiohttp's 15 s, the stack's 32 pooled
+    connections sat idle through the engine alone's ~5 s turn and were closed by the server
+    just as the next turn reused them ("Server disconnected", "Can not write request body")."""
+    idle = {"keepalive_timeout": IDLE_SECONDS} if keep_alive else {"force_close": True}
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, **idle),
                                  timeout=aiohttp.ClientTimeout(total=600.0))
 
 

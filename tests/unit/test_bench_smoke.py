@@ -307,6 +307,18 @@ def test_clients_without_keep_alive_survive_a_server_that_closes_after_each_stre
     assert [(t.error, t.tokens) for t in traces] == [("", 1)] * 4
 
 
+def test_the_clients_drop_idle_connections_before_the_adapter_closes_them() -> None:
+    """A pooled connection kept longer than the adapter's keep-alive can be closed by the
+    server just as a client reuses it: seen as "Server disconnected" after the engine
+    alone's ~5 s turn at 32 streams."""
+    from adapter.__main__ import KEEP_ALIVE_SECONDS
+    from bench.load import IDLE_SECONDS
+
+    assert IDLE_SECONDS < KEEP_ALIVE_SECONDS / 2
+    body = b'data: {"choices": [{"text": "a", "index": 0, "finish_reason": null}]}\n\ndata: [DONE]\n\n'
+    assert [t.tokens for t in _clients_against([_http_response("200 OK", body)] * 2, close_after_each=False)] == [1, 1]
+
+
 def test_wait_ready_fails_fast_when_the_server_exits(tmp_path) -> None:
     from bench.stack import wait_ready
 
