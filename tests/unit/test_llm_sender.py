@@ -112,6 +112,21 @@ def test_a_failed_send_cancels_the_request_and_ends_it_once(model):
     assert m.metrics.forgotten == [id(sender)]
 
 
+def test_a_token_goes_out_before_its_metrics_and_the_final_after_them(model):
+    """A metric observation is a round trip to Triton: a running response (a first token
+    makes two, TTFT and queue time) does not wait for them; the FINAL does, so that a client
+    that saw the end finds the request counted."""
+    module, m = model
+    events = []
+    sender = Sender()
+    sender.send = lambda response, flags=0: events.append(("send", flags))
+    m.metrics.on_output = lambda out, t0, key: events.append(("metrics", out.final))
+    for final in (False, False, True):
+        m._handle((sender, output(final), 0.0, every(module)), {}, {})
+    assert events == [("send", 0), ("metrics", False), ("send", 0), ("metrics", False),
+                      ("metrics", True), ("send", FINAL)]
+
+
 def test_a_failed_last_send_leaves_nothing_behind(model):
     module, m = model
     watched, failed = {}, {}

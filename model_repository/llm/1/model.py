@@ -257,12 +257,14 @@ class TritonPythonModel:
                 self.metrics.forget(key)
                 self._send_error(sender, out)
                 return
-            if out.final:
+            if out.final:  # counted before the FINAL: a client that saw the end finds it in /metrics
                 watched.pop(key, None)
-            self.metrics.on_output(out, t0, key)
+                self.metrics.on_output(out, t0, key)
             ending = out.final or bool(out.finish_reason)
             sender.send(response_of(out, selection.ending if ending else selection.running),
                         flags=FINAL if out.final else 0)
+            if not out.final:  # after the send: a first token's TTFT and queue-time observations are
+                self.metrics.on_output(out, t0, key)  # two round trips to Triton it need not wait for
         except Exception as exc:
             # The request must still end: an error FINAL (refused if it was already closed),
             # and the engine must stop generating for it.
