@@ -1,7 +1,8 @@
 /* A Linear that reads GGUF Q4_1 weights, for bfloat16 activations on AVX512-BF16,
- * batch-invariant by construction. It reads 0.625 bytes a weight (the GGUF's own size) where the bfloat16 kernel
- * (linear_avx512bf16.c) reads 2, which is what one row (one stream) waits on; per
- * multiply-add it does a little more work than that kernel, so with many rows it is slower.
+ * batch-invariant by construction. It reads 0.625 bytes a weight (the GGUF's own size)
+ * where the bfloat16 kernel (linear_avx512bf16.c) reads 2, which is what one row (one
+ * stream) waits on; per multiply-add it does a little more work than that kernel, so with
+ * many rows it is slower.
  *
  * Q4_1 keeps a weight row in blocks of 32: 4-bit codes q, float16 d and m, the weight
  * being d * q + m. So a row's output is the sum over its blocks of d * (q . x) + m * sum(x).
