@@ -134,11 +134,10 @@ class PackedBf16Linear:
 class PackedQ4Linear:
     """GGUF Q4_1 weights on the fused kernels' Q4 Linear (``csrc/linear_q4.c``, AVX512-BF16;
     ``ModelConfig.cpuLinearWeights``), batch-invariant as it is. Holds only the packed blocks,
-    0.625 bytes a weight. Over SmolLM2-135M's 120 layer matmuls on a 2-core AMD EPYC (best of
-    four, taking turns with the bfloat16 kernel, ms, when the record held float32 scales):
-    4.4-4.7 against 8.0-8.3 at one row, 7.0 against 8.1 at eight, 22.5 against 22.5 at 32 and
-    159 against 145 at 256 rows. The file's float16 scales: 3.4 against 3.9-4.7 at one row
-    (median of 15, taking turns with float32 ones), the same at 32, the same bits."""
+    0.625 bytes a weight. SmolLM2-135M's 120 layer matmuls on a 2-core AMD EPYC, against the
+    bfloat16 kernel (best of four, ms, with float32 scales in the record): 4.4-4.7 against
+    8.0-8.3 at one row, 7.0 / 8.1 at 8, 22.5 / 22.5 at 32, 159 / 145 at 256 rows. The file's
+    float16 scales: 3.4 against 3.9-4.7 at one row, the same at 32, with the same bits."""
 
     def __init__(self, blocks: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, ops):
         self.ops = ops
