@@ -31,9 +31,11 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
         t = settings.triton
         triton = TritonClient(t.grpc_target, t.modelName)
         app.state.service = Service(settings, triton, tokenizer)
+        app.state.scrape_client = mindie_metrics.scrape_client()
         log.info("adapter serving model %s through Triton gRPC %s:%s", settings.model.modelName,
                  t.grpcAddress, t.grpcPort)
         yield
+        await app.state.scrape_client.aclose()
         await triton.close()
 
     app = FastAPI(title="MindIE Server API on Triton", version="0.1.0", lifespan=lifespan,
