@@ -11,7 +11,6 @@ own metrics are still served.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections import defaultdict
@@ -122,10 +121,7 @@ async def metrics(request: Request):
     if os.environ.get(MONITOR_ENV) != "1":
         raise incomplete_error(f"Environment variable {MONITOR_ENV} is not set.")
     settings = request.app.state.settings
-    client = getattr(request.app.state, "scrape_client", None)
-    async with contextlib.AsyncExitStack() as stack:
-        if client is None:  # an app run without its lifespan (tests): a client for this scrape
-            client = await stack.enter_async_context(scrape_client())
-        engine = await engine_metrics_text(client, settings.triton.metrics_url, settings.model.modelName)
+    engine = await engine_metrics_text(request.app.state.scrape_client, settings.triton.metrics_url,
+                                       settings.model.modelName)
     TASKS.set(len(asyncio.all_tasks()))
     return Response(generate_latest(REGISTRY) + engine, media_type=CONTENT_TYPE_LATEST)

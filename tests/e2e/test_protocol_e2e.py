@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import statistics
+import time
 
 import pytest
 
@@ -123,13 +125,9 @@ def test_infer_multimodal_list_uses_first_text(client):
     assert bad.status_code == 422
 
 
-
 def test_keep_alive_responses_are_not_held_for_the_clients_delayed_ack(client):
     """Each GET with a body on one keep-alive connection took 44 ms while the listeners
     lacked TCP_NODELAY (the body waited for the ACK of the headers), ~1 ms with it."""
-    import statistics
-    import time
-
     times = []
     for _ in range(11):
         start = time.perf_counter()

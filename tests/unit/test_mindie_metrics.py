@@ -74,14 +74,15 @@ def test_engine_metrics_are_summed_over_instances_and_renamed():
 
 
 def test_metrics_need_the_monitor_switch(monkeypatch):
-    client = TestClient(create_app(Settings(), tokenizer=object()))  # no lifespan: Triton is not needed
     monkeypatch.delenv("MIES_SERVICE_MONITOR_MODE", raising=False)
-    r = client.get("/metrics")
-    assert r.status_code == 500 and r.json() == {
-        "error": "Environment variable MIES_SERVICE_MONITOR_MODE is not set.", "error_type": "Incomplete Generation"}
-    monkeypatch.setenv("MIES_SERVICE_MONITOR_MODE", "1")
-    r = client.get("/metrics")  # nothing listens on Triton's metrics port: the adapter's own still come
-    assert r.status_code == 200 and "mindie_adapter_requests_in_flight" in r.text
+    with TestClient(create_app(Settings(), tokenizer=object())) as client:  # Triton is not needed
+        r = client.get("/metrics")
+        assert r.status_code == 500 and r.json() == {
+            "error": "Environment variable MIES_SERVICE_MONITOR_MODE is not set.",
+            "error_type": "Incomplete Generation"}
+        monkeypatch.setenv("MIES_SERVICE_MONITOR_MODE", "1")
+        r = client.get("/metrics")  # nothing listens on Triton's metrics port: the adapter's own still come
+        assert r.status_code == 200 and "mindie_adapter_requests_in_flight" in r.text
 
 
 def test_unreadable_engine_metrics_leave_the_adapters_own(monkeypatch, caplog):
