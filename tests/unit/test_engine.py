@@ -378,3 +378,8 @@ def test_a_long_prompt_arriving_while_others_decode_is_prefilled_in_chunks(engin
     assert max(steps) <= chunk + 1  # the prompt's chunk and the busy request's decode token
     assert sum(1 for n in steps if n > 2) >= 3
     assert [t for o in chunked.outputs for t in o.token_ids] == [t for o in whole.outputs for t in o.token_ids]
+    # usage: one batch_size/queue_wait_time entry per generated token (seed A), none for the
+    # chunks that only prefilled; the first wait runs from arrival to the first chunk
+    last = chunked.outputs[-1]
+    assert len(last.batch_size) == len(last.queue_wait_us) == last.completion_tokens == 4
+    assert last.batch_size[0] == 2  # the prompt's last chunk ran beside the busy request

@@ -19,6 +19,8 @@ def test_kv_budget_exhaustion_queues_instead_of_failing():
         for r in runs:
             r.wait(300)
         assert all(r.error is None and r.outputs[-1].completion_tokens == 40 for r in runs)
+        # recomputing a preempted request's tokens adds no usage entries: one per token
+        assert all(len(r.outputs[-1].batch_size) == len(r.outputs[-1].queue_wait_us) == 40 for r in runs)
         assert eng.blocks.num_free == 12
         assert eng.scheduler.num_preemptions > 0
         alone = [Run(eng, f"Request number {i} says", max_tokens=40, temperature=0, ignore_eos=True).wait().text()

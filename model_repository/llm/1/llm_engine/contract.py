@@ -48,8 +48,8 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("completion_tokens", "INT32", (1,), doc="tokens generated so far by this sequence"),
     Tensor("cumulative_logprob", "FP32", (1,), doc="sum of the chosen tokens' logprobs"),
     Tensor("seed", "UINT64", (1,), doc="the seed in use (drawn when not given)"),
-    Tensor("batch_size", "INT32", (-1,), doc="per step: requests in the engine step (a request's n sequences count once)"),
-    Tensor("queue_wait_us", "INT64", (-1,), doc="per step: µs waited before the step ran"),
+    Tensor("batch_size", "INT32", (-1,), doc="per generated token: requests in the step that produced it (n sequences count once)"),
+    Tensor("queue_wait_us", "INT64", (-1,), doc="per generated token: µs from arrival or the previous token to its first step"),
     Tensor("logprobs", "BYTES", (1,), doc="JSON list of {token, logprob, top:[[token, logprob]...]} or ''"),
 )
 

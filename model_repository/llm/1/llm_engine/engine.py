@@ -176,9 +176,8 @@ class Engine:
             time.sleep(0.001)
             return
         now = time.monotonic()
-        for req in {id(it.seq.request): it.seq.request for it in plan.items}.values():
-            if req.first_scheduled == 0.0:
-                req.first_scheduled = now
+        for it in plan.items:
+            it.seq.request.note_scheduled(now)
         self._step_started = now
         try:
             self._run_step(plan, now)
@@ -195,6 +194,7 @@ class Engine:
                 it.seq.num_computed += it.num_tokens
             advanced = True
             owners, rows_idx = self._expand_forks(owners)
+            sampled = owners  # every row that gets a token this step, beams included
             if len(rows_idx) != logits.shape[0]:
                 logits = logits[torch.tensor(rows_idx, device=logits.device)]
             constrain(logits, owners)
@@ -214,7 +214,7 @@ class Engine:
         self.steps += 1
         self.last_batch_size = plan.num_sequences
         t_forward = time.monotonic()
-        self._postprocess(plan, owners, result, now)
+        self._postprocess(plan, owners, result, sampled)
         if beam_rows:
             self._beams.advance(beam_seqs, beam_lp)
         if self.metrics:
@@ -271,11 +271,11 @@ class Engine:
             prompt_ids=seq.request.prompt_ids, output_ids=seq.output_ids,
         )
 
-    def _postprocess(self, plan: Plan, owners: list[Sequence], result, step_start: float) -> None:
+    def _postprocess(self, plan: Plan, owners: list[Sequence], result, sampled: list[Sequence]) -> None:
         now = time.monotonic()
         stepped = {id(it.seq.request): it.seq.request for it in plan.items}
-        for req in stepped.values():
-            req.record_step(plan.num_requests, step_start)
+        for req in {id(seq.request): seq.request for seq in sampled}.values():
+            req.record_token_step(plan.num_requests, now)
         for row, seq in enumerate(owners):
             if seq.request.done:
                 continue
@@ -288,7 +288,6 @@ class Engine:
                 self._fail(seq.request, EngineError(f"generation failed: {exc}"))
         first, running = [], []
         for req in stepped.values():
-            req.last_progress = now
             if req.done or req.params.use_beam_search:
                 continue
             (first if req.sequences[0].num_generated <= 1 else running).append(req)

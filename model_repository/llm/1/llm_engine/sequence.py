@@ -117,8 +117,9 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     queue_waits_us: list[int] = field(default_factory=list)
-    last_progress: float = 0.0  # when the last step output was produced
+    last_progress: float = 0.0  # when its last token was produced
     first_scheduled: float = 0.0
+    scheduled_since: float = 0.0  # start of the first step that ran it since its last token (0: none)
     done: bool = False
     hypotheses: list = field(default_factory=list)  # finished beams (beam search only)
     grammar: Optional[str] = None  # the response_format's grammar (structured.grammar_for)
@@ -135,11 +136,24 @@ class Request:
     def deadline(self) -> float | None:
         return self.arrival + self.params.timeout if self.params.timeout else None
 
-    def record_step(self, batch_size: int, step_start: float) -> None:
-        """Usage of a step that ran this request: the step's batch size (requests) and how long
-        the request waited for it since its previous step (or its arrival), in µs."""
+    def note_scheduled(self, step_start: float) -> None:
+        """A step that runs this request starts (a prefill chunk, a decode, a recompute)."""
+        if not self.first_scheduled:
+            self.first_scheduled = step_start
+        if not self.scheduled_since:
+            self.scheduled_since = step_start
+
+    def record_token_step(self, batch_size: int, now: float) -> None:
+        """Usage of a step that produced this request's next token: one entry per generated
+        token (seed A: "the array length is the number of tokens"), so a prompt prefilled in
+        chunks or a preempted request's recompute adds none of its own. The entry is the
+        step's batch size (requests) and the wait from the request's arrival or previous
+        token to the first step that worked towards this one, in µs."""
+        start = self.scheduled_since or now
         self.batch_sizes.append(batch_size)
-        self.queue_waits_us.append(int(max(0.0, step_start - (self.last_progress or self.arrival)) * 1e6))
+        self.queue_waits_us.append(int(max(0.0, start - (self.last_progress or self.arrival)) * 1e6))
+        self.scheduled_since = 0.0
+        self.last_progress = now
 
     def live_sequences(self) -> list[Sequence]:
         return [s for s in self.sequences if not s.finished]
