@@ -196,7 +196,7 @@ def _check_stop(body: dict, max_count: int) -> list[str]:
             "Input validation error: `stop` must be list[string] if list, and item length in "
             f"[1, {MAX_STOP_TOTAL}] with total <= {MAX_STOP_TOTAL}"
         )
-    if len(stop) > max_count:
+    if max_count and len(stop) > max_count:  # an operator's cap (maxStopCount); none by default
         raise validation_error(
             f"Input validation error: `stop` must contain at most {max_count} strings, but got {len(stop)}"
         )

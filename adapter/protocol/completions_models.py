@@ -68,7 +68,8 @@ class CompletionRequest(BaseModel):
         None, description="Default and cap: maxIterTimes.")
     seed: Optional[Annotated[int, Field(gt=0, le=UINT64_MAX)]] = None
     stop: Optional[Union[StopString, list[StopString]]] = Field(
-        None, description="Plain stop string(s), at most 32768 characters in all and maxStopCount strings.")
+        None, description="Plain stop string(s), at most 32768 characters in all (and maxStopCount "
+        "strings when the operator sets it).")
     stop_token_ids: Optional[list[int]] = Field(
         None, description="Stop token ids; items that are not int32 ids are ignored.")
     include_stop_str_in_output: Optional[bool] = Field(

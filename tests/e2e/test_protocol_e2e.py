@@ -108,6 +108,13 @@ def test_stop_string_is_removed(client):
     body = client.post("/v1/completions", json=dict(req, stop=[stop])).json()
     assert body["choices"][0]["text"] == full[: full.index(stop)]
     assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] is None
+    # the API limits stop strings by total length only: thousands of them work the same
+    decoys = [f"<{i:04d}>" for i in range(4000)]
+    many = client.post("/v1/completions", json=dict(req, stop=[*decoys, stop], stream=True))
+    assert many.status_code == 200
+    events = [json.loads(line[6:]) for line in many.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == full[: full.index(stop)]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_infer_multimodal_list_uses_first_text(client):

@@ -80,10 +80,10 @@ def validator(doc: dict, name: str) -> Draft202012Validator:
     return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
 
 
-# What the schema cannot say: token counts, the deployment's maxN, counts and
-# totals across stop strings, media sources and the text-only model's first-element rule.
+# What the schema cannot say: token counts, the deployment's maxN, the total
+# length of the stop strings, media sources and the text-only model's first-element rule.
 NOT_EXPRESSIBLE = ("Length of Prompt token", "Inputs token length", "exceeds 'maxN'",
-                   "must contain at most 64 strings", "with total <= 32768", "The first element of inputs",
+                   "with total <= 32768", "The first element of inputs",
                    "The number of multimodal url", "Invalid json_schema")  # the rules of the user's own schema
 
 

@@ -60,3 +60,61 @@ def test_released_text_is_split_back_into_its_steps():
     assert split_text("abcdef", [2, 0, 3, 1]) == ["ab", "", "cde", "f"]
     assert split_text("abc", [2, 3, 1]) == ["ab", "c", ""]  # cut by a stop string
     assert split_text("abcdé", [2, 2]) == ["ab", "cdé"]  # the end flushed an unfinished character
+
+
+class ReferenceChecker:
+    """The plain algorithm: every stop string searched in the whole buffer at each feed."""
+
+    def __init__(self, stop, include):
+        self.stop, self.include, self.buffer = [s for s in stop if s], include, ""
+
+    def feed(self, text):
+        self.buffer += text
+        found = [(self.buffer.find(s), i, s) for i, s in enumerate(self.stop) if s in self.buffer]
+        if found:
+            pos, _, s = min(found)
+            out, self.buffer = self.buffer[:pos + len(s) if self.include else pos], ""
+            return out, True
+        hold = 0
+        for s in self.stop:
+            cap = min(len(s) - 1, len(self.buffer))
+            if len(s) > 64:
+                hold = max(hold, cap)
+            else:
+                hold = max([hold] + [n for n in range(1, cap + 1) if self.buffer.endswith(s[:n])])
+        cut = len(self.buffer) - hold
+        out, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        return out, False
+
+
+def test_indexed_matching_agrees_with_searching_every_string():
+    import random
+
+    rng = random.Random(7)
+    alphabet = "ab c"
+    for _ in range(3000):
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 6))]
+        if rng.random() < 0.1:
+            stop.append("a" * 70)  # a long one: held back len-1 outright
+        include = rng.random() < 0.5
+        pieces = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(12)]
+        fast, slow = StopChecker(stop, [], [], False, include), ReferenceChecker(stop, include)
+        for piece in pieces:
+            got, want = fast.feed(piece), slow.feed(piece)
+            assert got == want, (stop, include, pieces)
+            if got[1]:
+                break
+        else:
+            assert fast.buffer == slow.buffer
+
+
+def test_thousands_of_stop_strings():
+    """The API bounds only their total length (32768 characters), not their number."""
+    stop = [f"<{i:04d}>" for i in range(4681)]  # 7 characters each: 32767 in all
+    assert sum(map(len, stop)) <= 32768
+    sc = StopChecker(stop, [], [], False, False)
+    assert sc.feed("text <12") == ("text ", False)  # "<12" may begin "<1234>"
+    assert sc.feed("3") == ("", False)
+    assert sc.feed("4> more") == ("", True)
+    assert run(stop, ["a <99999> b"]) == ("a <99999> b", False)
+    assert run(stop, ["x<4680>y"], include=True) == ("x<4680>", True)

@@ -53,7 +53,8 @@ class ServerSection(_Section):
     e2eTimeout: int = Field(600, ge=1, le=65535)
     maxRequestLength: int = Field(40, ge=1, le=100, description="MiB")
     apiKey: Optional[str] = None
-    maxStopCount: int = Field(64, ge=1, description="most stop strings in one request")
+    maxStopCount: int = Field(
+        0, ge=0, description="most stop strings in one request; 0: no limit (the API sets none, only the total length)")
     drainTimeout: float = Field(30.0, ge=0, description="seconds in-flight streams get on SIGTERM")
     streamWriteTimeout: float = Field(
         30.0, gt=0, description="seconds one SSE write may wait on a client that stopped reading")

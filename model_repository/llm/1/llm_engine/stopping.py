@@ -1,19 +1,70 @@
 """Stop conditions: EOS and stop token ids, and stop strings matched across token boundaries.
 
-Stop strings are matched literally (``str.find``), never as patterns. Text that
-could be the start of a stop string is held back, so a stream never shows a
-partial stop string that later matches.
+Stop strings are matched literally, never as patterns. Text that could be the start
+of a stop string is held back, so a stream never shows a partial stop string that
+later matches.
+
+The API sets no limit on the number of stop strings, only on their total length
+(32768 characters), so the work per token must not grow with their number: the
+strings are indexed once per request (:class:`StopStrings`) by length, and by their
+short prefixes for the hold-back.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 PRECISE_HOLD_LIMIT = 64  # longer stop strings hold back len-1 characters outright
+
+
+class StopStrings:
+    """A request's stop strings, indexed for matching at the end of growing text."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.strings = tuple(dict.fromkeys(s for s in stop if s))  # unique, in the request's order
+        self.rank = {s: i for i, s in enumerate(self.strings)}  # equal starts: the earlier string wins
+        by_length: dict[int, set[str]] = {}
+        for s in self.strings:
+            by_length.setdefault(len(s), set()).add(s)
+        self.by_length = sorted(by_length.items())
+        short = [s for s in self.strings if len(s) <= PRECISE_HOLD_LIMIT]
+        self.prefixes = {s[:n] for s in short for n in range(1, len(s))}  # proper prefixes
+        self.longest_prefix = max((len(p) for p in self.prefixes), default=0)
+        self.long_hold = max((len(s) - 1 for s in self.strings if len(s) > PRECISE_HOLD_LIMIT), default=0)
+
+    def earliest_match(self, text: str, new_from: int) -> tuple[int, str] | None:
+        """The match that starts first among those that end after ``text[:new_from]``
+        (``None`` if there is none). The text before ``new_from`` was searched already."""
+        best: tuple[int, int, str] | None = None  # (start, rank, string)
+        for end in range(max(new_from, 0) + 1, len(text) + 1):
+            for length, strings in self.by_length:
+                if length > end:
+                    break
+                candidate = text[end - length:end]
+                if candidate in strings:
+                    key = (end - length, self.rank[candidate], candidate)
+                    if best is None or key < best:
+                        best = key
+        return None if best is None else (best[0], best[2])
+
+    def hold_back(self, text: str) -> int:
+        """How many characters at the end of ``text`` could begin a stop string."""
+        hold = min(self.long_hold, len(text))
+        for n in range(min(self.longest_prefix, len(text)), hold, -1):
+            if text[-n:] in self.prefixes:
+                return n
+        return hold
+
+
+@lru_cache(maxsize=8)  # a request's n sequences (and its forks) share one index
+def stop_strings(stop: tuple[str, ...]) -> StopStrings:
+    return StopStrings(stop)
 
 
 class StopChecker:
     def __init__(self, stop: list[str], stop_token_ids: list[int], eos_token_ids: list[int],
                  ignore_eos: bool, include_stop_str_in_output: bool):
-        self.stop = [s for s in stop if s]
+        self.strings = stop_strings(tuple(stop)) if any(stop) else None
         self.stop_ids = set(stop_token_ids)
         self.eos_ids = set() if ignore_eos else set(eos_token_ids)
         self.include = include_stop_str_in_output
@@ -29,37 +80,19 @@ class StopChecker:
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return ``(text safe to emit, matched a stop string)``."""
-        if not self.stop:
+        if self.strings is None:
             return text, False
+        searched = len(self.buffer)  # held text never contains a whole stop string
         self.buffer += text
-        best = -1
-        best_stop = ""
-        for s in self.stop:
-            pos = self.buffer.find(s)
-            if pos != -1 and (best == -1 or pos < best):
-                best, best_stop = pos, s
-        if best != -1:
-            end = best + len(best_stop) if self.include else best
-            out = self.buffer[:end]
+        match = self.strings.earliest_match(self.buffer, searched)
+        if match is not None:
+            start, stop = match
+            out = self.buffer[:start + len(stop) if self.include else start]
             self.buffer = ""
             return out, True
-        hold = self._hold_back()
-        cut = len(self.buffer) - hold
+        cut = len(self.buffer) - self.strings.hold_back(self.buffer)
         out, self.buffer = self.buffer[:cut], self.buffer[cut:]
         return out, False
-
-    def _hold_back(self) -> int:
-        hold = 0
-        buf = self.buffer
-        for s in self.stop:
-            if len(s) > PRECISE_HOLD_LIMIT:
-                hold = max(hold, min(len(s) - 1, len(buf)))
-                continue
-            for n in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:n]):
-                    hold = n
-                    break
-        return hold
 
     def flush(self) -> str:
         out, self.buffer = self.buffer, ""
