@@ -1,8 +1,9 @@
 """Beam search: choosing the next beams from the live beams' log-probabilities.
 
 Pure selection logic; the engine owns the sequences and their KV blocks. Scores are
-cumulative log-probabilities; finished hypotheses are ranked by length-normalised
-score (length penalty 1.0, as Hugging Face does by default).
+cumulative log-probabilities, for live beams and finished hypotheses alike: the
+request gets "the beams with the highest cumulative log-probability, best first"
+(spec §2.3 R2), with no length normalisation.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ class Hypothesis:
     text_ends_before_last: bool = True  # with "stop": its last id is the stop token, not text (a whole
     # JSON under response_format stops on its last character instead)
 
-    @property
-    def score(self) -> float:
-        return self.cumulative_logprob / max(1, len(self.output_ids))
 
 
 @dataclass
@@ -65,9 +63,14 @@ def select(logprobs: torch.Tensor, cumulative: list[float], width: int, stop_ids
     return live, ended
 
 
-def is_done(finished: list[Hypothesis], live_best_cumulative: float, live_length: int, width: int) -> bool:
-    """Stop once ``width`` hypotheses are finished and no live beam can still beat the worst of them."""
+def ranked(finished: list[Hypothesis], width: int) -> list[Hypothesis]:
+    """The ``width`` finished hypotheses with the highest cumulative log-probability, best first."""
+    return sorted(finished, key=lambda h: h.cumulative_logprob, reverse=True)[:width]
+
+
+def is_done(finished: list[Hypothesis], live_best_cumulative: float, width: int) -> bool:
+    """Stop once ``width`` hypotheses are finished and no live beam can still beat the worst
+    of them: a beam's cumulative log-probability only falls as it grows."""
     if len(finished) < width:
         return False
-    worst = sorted(h.score for h in finished)[-width]
-    return live_best_cumulative / max(1, live_length) <= worst
+    return live_best_cumulative <= ranked(finished, width)[-1].cumulative_logprob

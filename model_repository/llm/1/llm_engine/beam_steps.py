@@ -86,8 +86,7 @@ class BeamSteps:
         targets = [t for t in targets if not t.finished]
         out_of_room = bool(targets) and targets[0].num_generated >= req.max_new_tokens
         best = max((t.cumulative_logprob for t in targets), default=float("-inf"))
-        length = targets[0].num_generated if targets else 1
-        if out_of_room or not targets or beam_search.is_done(req.hypotheses, best, length, width):
+        if out_of_room or not targets or beam_search.is_done(req.hypotheses, best, width):
             if out_of_room or len(req.hypotheses) < width:
                 for t in targets:
                     req.hypotheses.append(beam_search.Hypothesis(
@@ -96,6 +95,18 @@ class BeamSteps:
             for t in targets:
                 self._retire(t)
             self._emit(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a beam search early (cancelled or stopped): the live beams join the finished
+        hypotheses, ending with ``reason``, and the best ``n`` go out as for a search that
+        ran to its end, each with its text so far."""
+        for beam in req.sequences:
+            if not beam.finished:
+                req.hypotheses.append(beam_search.Hypothesis(
+                    beam.output_ids, list(beam.token_logprobs), beam.cumulative_logprob, reason,
+                    top=list(beam.token_tops), text_ends_before_last=False))
+                self._retire(beam)
+        self._emit(req)
 
     def _fork(self, parent: Sequence) -> Sequence:
         req = parent.request
@@ -114,7 +125,7 @@ class BeamSteps:
         self.engine.scheduler.release_sequence(seq)
 
     def _emit(self, req: Request) -> None:
-        ranked = sorted(req.hypotheses, key=lambda h: h.score, reverse=True)[: req.params.n]
+        ranked = beam_search.ranked(req.hypotheses, req.params.n)
         self.engine.scheduler.remove(req)
         req.done = True
         skip = req.params.skip_special_tokens

@@ -52,8 +52,7 @@ class Engine:
         self._wake = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.steps = 0
-        self.last_batch_size = 0
+        self.steps = self.last_batch_size = 0
         self.dropped: list[str] = []  # ids of requests ended by cancellation (bounded)
         self._beams = BeamSteps(self)
         self.step_timeout = step_timeout  # see health()
@@ -377,6 +376,9 @@ class Engine:
             req.emit(out)
 
     def _finish_request(self, req: Request, reason: str) -> None:
+        if req.params.use_beam_search:
+            self._beams.finish(req, reason)
+            return
         for seq in req.sequences:
             if not seq.finished:
                 seq.status = Status.FINISHED
