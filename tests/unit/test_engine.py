@@ -197,6 +197,17 @@ def test_prompt_too_long_is_rejected_before_queueing(engine):
     assert exc.value.status == 424 and "2048" in str(exc.value)
 
 
+def test_a_stream_with_a_long_stop_string_is_not_held_until_its_end(engine):
+    """A stop string over 64 characters once held every step back until the request ended.
+    This request is cancelled as soon as its first output arrives."""
+    box: list[Run] = []
+    r = Run(engine, "Count from one to one hundred:", max_tokens=200, temperature=0, ignore_eos=True,
+            stop=["Z" * 65], cancel=lambda: bool(box and box[0].outputs))
+    box.append(r)
+    last = r.wait().outputs[-1]
+    assert last.finish_reason == "cancelled" and last.completion_tokens < 200
+
+
 def test_beam_search_returns_n_ranked_beams(engine):
     r = Run(engine, "The best way to learn is", stream=False, max_tokens=6, use_beam_search=True, n=3,
             temperature=0, logprobs=0).wait()

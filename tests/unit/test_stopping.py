@@ -78,10 +78,7 @@ class ReferenceChecker:
         hold = 0
         for s in self.stop:
             cap = min(len(s) - 1, len(self.buffer))
-            if len(s) > 64:
-                hold = max(hold, cap)
-            else:
-                hold = max([hold] + [n for n in range(1, cap + 1) if self.buffer.endswith(s[:n])])
+            hold = max([hold] + [n for n in range(1, cap + 1) if self.buffer.endswith(s[:n])])
         cut = len(self.buffer) - hold
         out, self.buffer = self.buffer[:cut], self.buffer[cut:]
         return out, False
@@ -94,8 +91,10 @@ def test_indexed_matching_agrees_with_searching_every_string():
     alphabet = "ab c"
     for _ in range(3000):
         stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 6))]
+        if rng.random() < 0.2:  # long ones: their prefixes are not indexed but scanned
+            stop.append("".join(rng.choice(alphabet) for _ in range(rng.randint(65, 80))))
         if rng.random() < 0.1:
-            stop.append("a" * 70)  # a long one: held back len-1 outright
+            stop.append("ab" * 40)
         include = rng.random() < 0.5
         pieces = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(12)]
         fast, slow = StopChecker(stop, [], [], False, include), ReferenceChecker(stop, include)
@@ -118,3 +117,16 @@ def test_thousands_of_stop_strings():
     assert sc.feed("4> more") == ("", True)
     assert run(stop, ["a <99999> b"]) == ("a <99999> b", False)
     assert run(stop, ["x<4680>y"], include=True) == ("x<4680>", True)
+
+
+def test_a_long_stop_string_holds_back_only_what_could_begin_it():
+    """Stop strings over 64 characters once held back len-1 characters outright, so a stream
+    that had one showed nothing until its end."""
+    long = "The end of this story is near, and nothing will ever be the same again."
+    assert len(long) > 64
+    sc = StopChecker([long], [], [], False, False)
+    assert sc.feed("Once upon a time") == ("Once upon a time", False)
+    assert sc.feed(" there was The end") == (" there was ", False)
+    assert sc.feed(" of it all") == ("The end of it all", False)
+    assert sc.feed(" " + long[:40]) == (" ", False)
+    assert sc.feed(long[40:] + " tail") == ("", True)

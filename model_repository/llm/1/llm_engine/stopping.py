@@ -6,15 +6,15 @@ later matches.
 
 The API sets no limit on the number of stop strings, only on their total length
 (32768 characters), so the work per token must not grow with their number: the
-strings are indexed once per request (:class:`StopStrings`) by length, and by their
-short prefixes for the hold-back.
+strings are indexed once per request (:class:`StopStrings`) by length, and for the
+hold-back by their prefixes (short strings) or their first character (long ones).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-PRECISE_HOLD_LIMIT = 64  # longer stop strings hold back len-1 characters outright
+PREFIX_INDEX_LIMIT = 64  # the prefixes of stop strings up to this long are indexed; longer ones are scanned
 
 
 class StopStrings:
@@ -27,10 +27,14 @@ class StopStrings:
         for s in self.strings:
             by_length.setdefault(len(s), set()).add(s)
         self.by_length = sorted(by_length.items())
-        short = [s for s in self.strings if len(s) <= PRECISE_HOLD_LIMIT]
+        short = [s for s in self.strings if len(s) <= PREFIX_INDEX_LIMIT]
         self.prefixes = {s[:n] for s in short for n in range(1, len(s))}  # proper prefixes
         self.longest_prefix = max((len(p) for p in self.prefixes), default=0)
-        self.long_hold = max((len(s) - 1 for s in self.strings if len(s) > PRECISE_HOLD_LIMIT), default=0)
+        self.long_by_first: dict[str, list[str]] = {}  # at most 32768 / 65 of them
+        for s in self.strings:
+            if len(s) > PREFIX_INDEX_LIMIT:
+                self.long_by_first.setdefault(s[0], []).append(s)
+        self.longest = max(map(len, self.strings), default=0)
 
     def earliest_match(self, text: str, new_from: int) -> tuple[int, str] | None:
         """The match that starts first among those that end after ``text[:new_from]``
@@ -48,12 +52,16 @@ class StopStrings:
         return None if best is None else (best[0], best[2])
 
     def hold_back(self, text: str) -> int:
-        """How many characters at the end of ``text`` could begin a stop string."""
-        hold = min(self.long_hold, len(text))
-        for n in range(min(self.longest_prefix, len(text)), hold, -1):
-            if text[-n:] in self.prefixes:
+        """How many characters at the end of ``text`` could begin a stop string: the longest
+        end of ``text`` that is a proper prefix of one."""
+        for start in range(max(0, len(text) - self.longest + 1), len(text)):  # longest first
+            n = len(text) - start
+            if n <= self.longest_prefix and text[start:] in self.prefixes:
                 return n
-        return hold
+            for s in self.long_by_first.get(text[start], ()):
+                if n < len(s) and s.startswith(text[start:]):
+                    return n
+        return 0
 
 
 @lru_cache(maxsize=8)  # a request's n sequences (and its forks) share one index
