@@ -15,8 +15,9 @@ senders of running calls and, for a cancelled one, creates a flag file named aft
 call's request id (``llm_unary-<32 hex>``) in a folder of this tritonserver process;
 every ``llm`` instance checks that file for such requests at each engine step (a control
 request would reach just one of several instances). Triton's request ``timeout``
-(tritonclient ``infer(timeout=µs)``) is passed to the engine as
-``sampling_parameters.timeout``.
+(tritonclient ``infer(timeout=µs)``) runs from the request's arrival here: what is left
+of it when the BLS call starts goes to the engine as ``sampling_parameters.timeout``, and
+a request whose time ran out while it waited for a worker ends with the engine's error.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ BLS_ID_PREFIX = "llm_unary-"  # + 32 hex digits: llm_engine.contract.CANCELLABLE
 CANCEL_POLL_S = 0.1  # how often running calls are checked for cancellation
 READY_WAIT_S = 60.0  # how long a request waits for "llm" to be (re)loaded
 ENGINE_TIMEOUT_MAX_S = 65535.0  # sampling_parameters.timeout's upper bound
+TIMED_OUT = "[504] Engine callback timeout: client timeout"  # llm_engine.errors.RequestTimeout's wire form
 _STATUS = re.compile(r"\[(\d{3})\] ")
 
 
@@ -55,6 +57,20 @@ class _Job:
     inputs: list[Any]  # pb_utils.Tensor, copied out of the request
     wanted: set[str]  # requested output names (Triton passes all of them when none were named)
     keep: int | None  # best_of > n: return the n best sequences
+    params: dict | None = None  # sampling_parameters, to get what is left of the deadline as its timeout
+    deadline: float = 0.0  # time.monotonic() when the caller's timeout runs out (with params)
+
+    def call_inputs(self) -> list[Any] | None:
+        """The inputs of the BLS call; ``None`` when the caller's timeout has already run out."""
+        if self.params is None:
+            return self.inputs
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return None
+        params = dict(self.params, timeout=min(max(left, 1e-3), ENGINE_TIMEOUT_MAX_S))
+        encoded = np.array([[json.dumps(params).encode()]], dtype=np.object_)
+        return [t for t in self.inputs if t.name() != "sampling_parameters"] + [
+            pb_utils.Tensor("sampling_parameters", encoded)]
 
 
 @dataclass
@@ -123,13 +139,11 @@ class TritonPythonModel:
                 raise ValueError(f"[400] {name}: send one prompt per request (batch dimension 1), "
                                  f"got {array.shape[0]}")
             inputs.append(pb_utils.Tensor(name, np.array(array, copy=True)))
-        keep, rewritten = _plan(_scalar(inputs, "sampling_parameters"), request.timeout())
-        if rewritten is not None:
-            inputs = [t for t in inputs if t.name() != "sampling_parameters"]
-            inputs.append(pb_utils.Tensor("sampling_parameters", np.array([[rewritten]], dtype=np.object_)))
+        timeout_us = request.timeout()
+        keep, params = _plan(_scalar(inputs, "sampling_parameters"), timeout_us)
         inputs.append(pb_utils.Tensor("stream", np.array([[False]], dtype=np.bool_)))
-        return _Job(request_id=request.request_id(), inputs=inputs,
-                    wanted=set(request.requested_output_names()), keep=keep)
+        return _Job(request_id=request.request_id(), inputs=inputs, wanted=set(request.requested_output_names()),
+                    keep=keep, params=params, deadline=time.monotonic() + timeout_us / 1e6)
 
     # -- the worker: BLS to llm, one response back ---------------------------------------
     def _work(self) -> None:
@@ -151,8 +165,11 @@ class TritonPythonModel:
             return _error(f"[503] model '{TARGET}' is not ready")
         if sender.is_cancelled():  # cancelled while queued: the engine never sees it
             return _cancelled()
+        inputs = job.call_inputs()
+        if inputs is None:
+            return _error(TIMED_OUT)
         bls_id = f"{BLS_ID_PREFIX}{uuid.uuid4().hex}"
-        bls = pb_utils.InferenceRequest(model_name=TARGET, inputs=job.inputs,
+        bls = pb_utils.InferenceRequest(model_name=TARGET, inputs=inputs,
                                         requested_output_names=BLS_OUTPUTS, request_id=bls_id)
         with self._running_lock:
             self._running[bls_id] = (sender, job.request_id)
@@ -264,23 +281,23 @@ def _scalar(tensors: list, name: str) -> Any:
     return None
 
 
-def _plan(raw: Any, timeout_us: int) -> tuple[int | None, bytes | None]:
-    """How many sequences to return, and sampling_parameters rewritten with the request's deadline.
+def _plan(raw: Any, timeout_us: int) -> tuple[int | None, dict | None]:
+    """How many sequences to return, and the sampling_parameters that get the request's
+    deadline as their ``timeout`` (``None``: forwarded as they came).
 
     Validation is left to ``llm`` (so its ``[400]`` messages reach the client unchanged);
     anything that is not a JSON object is forwarded as it came.
     """
     try:
         data = json.loads(raw) if raw else {}
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None, None
     if not isinstance(data, dict):
         return None, None
     n, best_of = data.get("n") or 1, data.get("best_of")
     keep = n if isinstance(n, int) and isinstance(best_of, int) and best_of > n else None
     if timeout_us > 0 and data.get("timeout") is None:
-        data["timeout"] = min(max(timeout_us / 1e6, 1e-3), ENGINE_TIMEOUT_MAX_S)
-        return keep, json.dumps(data).encode()
+        return keep, data
     return keep, None
 
 
