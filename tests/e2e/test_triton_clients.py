@@ -32,25 +32,45 @@ def test_readme_grpc_streaming_example_runs(stack):
     assert "Paris" in out.getvalue()
 
 
-def test_bad_sampling_parameters_get_a_triton_error_naming_the_field(stack):
+def _first_result(stack, arrays: dict[str, np.ndarray]):
+    """The first (result, error) of one streaming call to ``llm`` with these inputs."""
+    import time
+
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
 
     client = grpcclient.InferenceServerClient(stack.grpc_url)
     results = []
     client.start_stream(callback=lambda result, error: results.append((result, error)))
-    t = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-    t.set_data_from_numpy(np.array([["hi"]], dtype=object))
-    p = grpcclient.InferInput("sampling_parameters", [1, 1], "BYTES")
-    p.set_data_from_numpy(np.array([[json.dumps({"top_p": 0})]], dtype=object))
-    client.async_stream_infer("llm", [t, p])
-    import time
-
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client.async_stream_infer("llm", inputs)
     deadline = time.time() + 30
     while not results and time.time() < deadline:
         time.sleep(0.05)
     client.stop_stream()
-    result, error = results[0]
+    return results[0]
+
+
+def test_bad_sampling_parameters_get_a_triton_error_naming_the_field(stack):
+    result, error = _first_result(stack, {
+        "text_input": np.array([["hi"]], dtype=object),
+        "sampling_parameters": np.array([[json.dumps({"top_p": 0})]], dtype=object)})
     assert result is None and "top_p" in str(error) and "[400]" in str(error)
+
+
+@pytest.mark.parametrize("name, array", [
+    ("input_ids", np.array([[1, 2, 3], [7, 8, 9]], dtype=np.int64)),
+    ("text_input", np.array([["ab"], ["cd"]], dtype=object)),
+], ids=["input_ids", "text_input"])
+def test_a_request_with_two_rows_is_refused_not_merged(stack, name, array):
+    """One prompt per request: two input_ids rows were generated from as one prompt, and a
+    second text_input row was dropped."""
+    result, error = _first_result(stack, {name: array})
+    assert result is None and "[400]" in str(error) and "one prompt per request" in str(error)
 
 
 def test_cancelled_stream_is_dropped_by_the_engine(stack):

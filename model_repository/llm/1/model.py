@@ -130,6 +130,7 @@ class TritonPythonModel:
         return None
 
     def _submit(self, request, sender) -> None:
+        _check_one_row(request)
         stop_id = _scalar(request, "stop_request_id")
         if stop_id is not None:
             self._stop(stop_id, sender)
@@ -368,6 +369,16 @@ def _exit_with_tritonserver(parent: int) -> None:
         time.sleep(1.0)
     log.error("tritonserver (pid %d) is gone; exiting", parent)
     os._exit(1)
+
+
+def _check_one_row(request) -> None:
+    """One prompt per request: with ``max_batch_size`` > 0 every input has a batch dimension,
+    and a second row would be merged into the first prompt (input_ids) or ignored."""
+    for tensor in request.inputs():
+        shape = tensor.as_numpy().shape
+        rows = shape[0] if shape else 1
+        if rows != 1:
+            raise InvalidParameter(f"{tensor.name()}: send one prompt per request (batch dimension 1), got {rows}")
 
 
 def _scalar(request, name: str):
