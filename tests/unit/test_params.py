@@ -17,6 +17,9 @@ from llm_engine.params import parse_sampling_parameters
     ('{"bogus": 1}', "bogus"),
     ('{"n": 2, "temperature": 0}', "temperature"),
     ('not json', "JSON"),
+    ('{"temperature": 1' + "0" * 400 + '}', "temperature"),  # beyond any float: not a 500
+    ('{"repetition_penalty": 1' + "0" * 400 + '}', "repetition_penalty"),
+    ('{"stop": ' + "[" * 100_000 + "]" * 100_000 + '}', "nested too deeply"),
 ])
 def test_errors_name_the_field(raw, field):
     with pytest.raises(InvalidParameter) as exc:

@@ -2,6 +2,7 @@
 of getting a row's argmax and logsumexp (torch's log_softmax, and the fused CPU kernel)."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -117,3 +118,21 @@ def test_the_fused_row_stats_give_the_first_argmax_and_the_logsumexp(vocab):
                 assert one_tok[0] == tokens[i] and torch.equal(one_lse[0], lse[i])
         finally:
             ops.set_threads(1)
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 1e-30, 1e39, 1e300])
+def test_extreme_repetition_penalties_give_finite_logprobs(sample, penalty):
+    """Any repetition_penalty > 0 is valid on /infer; divided into float32 logits, 1e-40 made
+    them inf and the logprobs NaN (which is not even JSON)."""
+    logits = torch.tensor([[5.0, 4.0, 0.0, -3.0]])
+    result = sample(logits.clone(), [row(repetition_penalty=penalty, prompt_ids=[0, 1, 3], logprobs=2)])
+    assert all(map(math.isfinite, result.logprobs)) and result.tokens[0] in (0, 1, 2, 3)
+    assert all(math.isfinite(lp) for _, lp in result.top[0])
+
+
+def test_an_enormous_temperature_samples_near_uniformly_without_nan(sample):
+    """A temperature beyond float32 became inf, and a token masked by a grammar (-inf) then
+    became NaN: every draw returned the last token."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, float("-inf")]])
+    picks = [sample(logits.clone(), [row(g(s), temperature=1e39)]).tokens[0] for s in range(60)]
+    assert set(picks) == {0, 1, 2}

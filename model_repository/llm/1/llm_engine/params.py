@@ -101,6 +101,8 @@ def parse_sampling_parameters(raw: str | bytes | dict | None, max_n: int = 128) 
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidParameter(f"sampling_parameters is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidParameter("sampling_parameters is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidParameter("sampling_parameters must be a JSON object")
     known = SamplingParams.__dataclass_fields__
@@ -131,6 +133,10 @@ def _check(name: str, value: Any) -> None:
     elif name in _FLOAT_RANGES:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise InvalidParameter(f"{name} must be a number, got {value!r}")
+        try:
+            float(value)
+        except OverflowError:  # an integer beyond any float
+            raise InvalidParameter(f"{name} must be a finite number, got an integer of {len(str(value))} digits") from None
         lo, lo_inc, hi, hi_inc = _FLOAT_RANGES[name]
         ok = (value >= lo if lo_inc else value > lo) and (value <= hi if hi_inc else value < hi)
         if not ok or math.isnan(value):

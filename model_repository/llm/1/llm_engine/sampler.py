@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 NEG_INF = float("-inf")
+FLOAT32_MAX = 3.4028234663852886e38  # logits are float32: larger values become inf, and inf NaN
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 def alternatives(ids: list[int], values: list[float]) -> list[tuple[int, float]]:
@@ -60,7 +62,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSpec]) -> None:
             seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
             seen[torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long, device=dev)] = True
             row = logits[i]
-            penalised = torch.where(row > 0, row / r.repetition_penalty, row * r.repetition_penalty)
+            penalty = min(max(r.repetition_penalty, FLOAT32_TINY), FLOAT32_MAX)  # any value > 0 is valid
+            penalised = torch.where(row > 0, (row / penalty).clamp(max=FLOAT32_MAX), row * penalty)
             logits[i] = torch.where(seen, penalised, row)
         logits[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).float()
 
@@ -126,7 +129,7 @@ def greedy_tokens(scores: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
 def _draw(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
     vocab = logits.shape[1]
     dev = logits.device
-    temps = torch.tensor([r.temperature for r in rows], device=dev)
+    temps = torch.tensor([min(r.temperature, FLOAT32_MAX) for r in rows], device=dev)  # inf would make NaN
     ks = [r.top_k if 0 < r.top_k < vocab else vocab for r in rows]
     k_max = max(ks)
     scaled = logits / temps[:, None]
