@@ -37,3 +37,27 @@ def test_defaults_and_nulls():
 def test_max_n_cap():
     with pytest.raises(InvalidParameter, match="maxN"):
         parse_sampling_parameters('{"n": 5, "temperature": 1}', max_n=4)
+
+
+def test_the_readme_documents_every_key_with_its_range():
+    """The table of sampling_parameters keys is the public contract for direct Triton callers."""
+    import re
+
+    from llm_engine.params import _FLOAT_RANGES, _INT_RANGES, SamplingParams
+
+    from tests.conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("`sampling_parameters` keys"):readme.index("| Output | Type | Shape | |")]
+    rows = {key: line for line in table.splitlines() if line.startswith("| `")
+            for key in re.findall(r"`(\w+)`", line.split("|")[1])}
+    assert set(rows) == set(SamplingParams.__dataclass_fields__)
+
+    def lower_bound(name: str) -> tuple[str, float]:
+        bracket, value = re.search(r"([\[(])(-?[0-9.e-]+),", rows[name].replace("−", "-")).groups()
+        return bracket, float(value)
+
+    for name, (lo, lo_inc, _, _) in _FLOAT_RANGES.items():
+        assert lower_bound(name) == ("[" if lo_inc else "(", lo), name
+    for name, (lo, _) in _INT_RANGES.items():
+        assert lower_bound(name) == ("[", lo), name
