@@ -204,6 +204,26 @@ def test_nesting_depth_ten_is_accepted():
     parse(with_(extra=nested))
 
 
+@pytest.mark.parametrize("body", [
+    json.dumps(with_(extra={"a": [[[[[[[[[1]]]]]]]]]})).encode(),  # depth 11
+    json.dumps(with_(extra=[{"b": [{"c": [[{"d": [[[1]]]}]]}]}])).encode(),  # 11, objects and arrays
+    b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+], ids=["11", "mixed-11", "100000"])
+def test_nesting_deeper_than_ten_is_a_parse_error(body):
+    assert error_of(body).message == PARSE
+
+
+def test_an_unterminated_string_of_escaped_quotes_is_rejected_in_linear_time():
+    """The depth check once scanned the text with a regex that restarted at every escaped
+    quote of an unterminated string: 80 KB held the event loop (and the GIL) for 18 s."""
+    import time
+
+    body = b'{"model": "m", "prompt": "' + b'\\"' * 100_000
+    started = time.monotonic()
+    assert error_of(body).message == PARSE
+    assert time.monotonic() - started < 5  # quadratic: minutes
+
+
 # ------------------------------------------------------------------ combinations R1–R6
 
 COMBINATIONS = [
