@@ -34,6 +34,11 @@ class AdmissionState:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def would_wait(self) -> bool:
+        """A request arriving now would queue for a slot (or be turned away)."""
+        return bool(self.limit) and (self.in_flight >= self.limit or bool(self._waiters))
+
     async def acquire(self) -> bool:
         """Take a slot, waiting behind the requests that came first; False when the queue is full
         or the wait passed :attr:`max_wait`. A True must be matched by :meth:`release`."""

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from llm_engine.config import Settings
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from adapter import completions, infer, management, mindie_metrics, openapi, stop_infer
 from adapter.admission import AdmissionState
@@ -61,7 +62,8 @@ def create_app(settings: Settings, tokenizer=None) -> FastAPI:
                                    separators=(",", ":")), status_code=500, media_type="application/json")
 
     @app.exception_handler(ClientGone)
-    async def client_gone(_: Request, __: ClientGone):
+    @app.exception_handler(ClientDisconnect)  # gone while its body was being read
+    async def client_gone(_: Request, __: Exception):
         return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)

@@ -13,10 +13,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
 from adapter.admission import AdmissionState
+
+_GONE = object()  # the client hung up while its request waited for a slot
+
+
+async def _stopped(send) -> None:
+    await _send_json(send, 503, {"error": "The service has been stopped", "error_type": "Service Unavailable"},
+                     [(b"retry-after", b"5")])
+
+
+def _replay(body: bytes, receive):
+    """``receive`` that gives the body already read once, then the connection's own messages."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 INFERENCE_PATHS = ("/v1/completions", "/infer", "/infer_token")  # /infer_token: the same handler as /infer
 OPEN_PATHS = ("/v2/health/live",)
@@ -115,6 +133,14 @@ class ApiKey:
 
 
 class Admission:
+    """Queue the inference routes for a slot. A request that must wait has its body read
+    first (up to ``WATCHED_BODY_BYTES``) and is then watched for its client hanging up: a
+    client gone while queued leaves the queue at once instead of holding its place (up to
+    ``e2eTimeout``) and turning live clients away. A larger or chunked body is read after
+    admission, as before, so a queued request holds at most that much memory."""
+
+    WATCHED_BODY_BYTES = 64 * 1024
+
     def __init__(self, app, state: AdmissionState):
         self.app = app
         self.state = state
@@ -123,19 +149,68 @@ class Admission:
         if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
             return await self.app(scope, receive, send)
         if self.state.stopping:
-            return await _send_json(send, 503, {"error": "The service has been stopped",
-                                                "error_type": "Service Unavailable"},
-                                    [(b"retry-after", b"5")])
-        if not await self.state.acquire():
+            return await _stopped(send)
+        if self.state.would_wait and self.state.waiting < self.state.queue_limit:
+            body = await self._small_body(scope, receive)
+            if body is not None:
+                if body is _GONE:
+                    return None
+                admitted = await self._acquire_unless_gone(receive)
+                if admitted is _GONE:
+                    return None
+                return await self._serve(admitted, scope, _replay(body, receive), send)
+        return await self._serve(await self.state.acquire(), scope, receive, send)
+
+    async def _small_body(self, scope, receive) -> bytes | object | None:
+        """The whole body when ``Content-Length`` says it is small (``_GONE`` if the client
+        hung up meanwhile); ``None`` to leave the body to the route."""
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if not length.isdigit() or int(length) > self.WATCHED_BODY_BYTES:
+            return None
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return _GONE
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    async def _acquire_unless_gone(self, receive) -> bool | object:
+        """``acquire()``, or ``_GONE`` when the client hangs up first (the body is read, so the
+        next message is the disconnect)."""
+        waiting = asyncio.ensure_future(self.state.acquire())
+        hangup = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait((waiting, hangup), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiting.done() or not hangup.done():
+                for task in (waiting, hangup):
+                    task.cancel()
+        if waiting.done() and not waiting.cancelled():
+            admitted = waiting.result()
+            if hangup.done() and not hangup.cancelled():  # both at once: the client is gone
+                if admitted:
+                    self.state.release()
+                return _GONE
+            return admitted
+        try:  # it leaves the queue, or passes on a slot it was just handed ...
+            admitted = await waiting
+        except asyncio.CancelledError:
+            admitted = False
+        if admitted:  # ... or, handed one as it was cancelled, returns it (wait_for in 3.11)
+            self.state.release()
+        return _GONE
+
+    async def _serve(self, admitted: bool, scope, receive, send):
+        if not admitted:
             return await _send_json(send, 503, {"error": f"Too many requests (maxLinkNum {self.state.limit} "
                                                          f"running, {self.state.waiting} waiting); retry later",
                                                 "error_type": "Service Unavailable"},
                                     [(b"retry-after", b"1")])
         try:
             if self.state.stopping:  # it waited while the service began to stop
-                return await _send_json(send, 503, {"error": "The service has been stopped",
-                                                    "error_type": "Service Unavailable"},
-                                        [(b"retry-after", b"5")])
+                return await _stopped(send)
             await self.app(scope, receive, send)
         finally:
             self.state.release()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fastapi import Request
 
 from adapter.errors import overloaded_error
 from adapter.launch import accelerator_present, engine_cores, remove_shm_leftovers
@@ -371,3 +372,30 @@ def test_the_timed_health_probe_reports_a_hang_an_error_and_a_token():
     assert seen == [("endpoint_common_0", {"max_tokens": 1, "temperature": 0, "ignore_eos": True}, [1])]
     assert asyncio.run(management.probe(service(hang), 0.2)) == "Health probe timed out after 0.2 s"
     assert asyncio.run(management.probe(service(fail), 5)) == "Health probe failed: the model is gone"
+
+
+def test_a_client_gone_while_its_body_is_read_is_a_quiet_499(caplog):
+    """Starlette's ClientDisconnect once fell to the catch-all: a 500 and a traceback in the log."""
+    from llm_engine.config import Settings
+
+    from adapter.app import create_app
+
+    app = create_app(Settings(), tokenizer=object())
+
+    @app.post("/upload")
+    async def upload(request: Request):
+        await request.body()
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/upload", "raw_path": b"/upload", "query_string": b"",
+             "headers": [], "root_path": "", "scheme": "http", "server": ("127.0.0.1", 80), "app": app}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -85,3 +85,95 @@ def test_no_limit_never_waits():
         assert all([await state.acquire() for _ in range(50)]) and not state.busy
 
     run(scenario())
+
+
+class Client:
+    """One HTTP request as the ASGI server hands it on: its body, then (when ``hang_up``
+    is set) the disconnect; and what the app sent back."""
+
+    def __init__(self, body: bytes = b'{"prompt": "hi"}', chunked: bool = False):
+        self.body, self.hang_up, self.sent = body, asyncio.Event(), []
+        headers = [] if chunked else [(b"content-length", str(len(body)).encode())]
+        self.scope = {"type": "http", "path": "/infer", "method": "POST", "headers": headers}
+        self._body_sent = False
+
+    async def receive(self):
+        if not self._body_sent:
+            self._body_sent = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message):
+        self.sent.append(message)
+
+
+def admission_with(state):
+    from adapter.guards import Admission
+
+    served: list[bytes] = []
+
+    async def app(scope, receive, send):
+        served.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return Admission(app, state), served
+
+
+def test_a_client_that_hangs_up_while_queued_leaves_the_queue_at_once():
+    """Dead entries once kept their places for up to e2eTimeout, and live clients got 503."""
+    async def scenario():
+        state = AdmissionState(limit=1)
+        guard, served = admission_with(state)
+        assert await state.acquire()  # a long generation holds the one slot
+        gone = [Client() for _ in range(2)]
+        queued = [asyncio.create_task(guard(c.scope, c.receive, c.send)) for c in gone]
+        await asyncio.sleep(0.01)
+        assert state.waiting == 2
+        for client in gone:
+            client.hang_up.set()
+        await asyncio.gather(*queued)
+        assert state.waiting == 0 and not any(c.sent for c in gone)
+        live = Client(b'{"inputs": "live"}')
+        task = asyncio.create_task(guard(live.scope, live.receive, live.send))
+        await asyncio.sleep(0.01)
+        assert state.waiting == 1  # queued, not turned away
+        state.release()
+        await task
+        assert served == [b'{"inputs": "live"}'] and live.sent[0]["status"] == 200  # the body, replayed
+        assert (state.in_flight, state.waiting) == (0, 0)
+
+    run(scenario())
+
+
+def test_a_client_that_hangs_up_as_its_slot_comes_passes_the_slot_on():
+    async def scenario():
+        state = AdmissionState(limit=1)
+        guard, served = admission_with(state)
+        assert await state.acquire()
+        first, second = Client(b"1"), Client(b"2")
+        tasks = [asyncio.create_task(guard(c.scope, c.receive, c.send)) for c in (first, second)]
+        await asyncio.sleep(0.01)
+        first.hang_up.set()
+        state.release()  # handed to "first", which is going away at the same moment
+        await asyncio.gather(*tasks)
+        assert served == [b"2"] and not first.sent and state.in_flight == 0
+
+    run(scenario())
+
+
+def test_a_chunked_body_is_left_to_the_route_and_waits_as_before():
+    async def scenario():
+        state = AdmissionState(limit=1)
+        guard, served = admission_with(state)
+        assert await state.acquire()
+        client = Client(b"chunked", chunked=True)
+        task = asyncio.create_task(guard(client.scope, client.receive, client.send))
+        await asyncio.sleep(0.01)
+        assert state.waiting == 1 and not client._body_sent  # not read while it waits
+        state.release()
+        await task
+        assert served == [b"chunked"] and state.in_flight == 0
+
+    run(scenario())
