@@ -18,6 +18,7 @@ import uvicorn
 from llm_engine.config import load_settings
 
 from adapter.app import create_app
+from adapter.http_protocol import HeadDeadlineProtocol
 from adapter.planes import Listener, bind, listeners
 
 log = logging.getLogger("adapter")
@@ -28,7 +29,8 @@ MAX_HEADER_BYTES = 16 * 1024  # h11 rejects a request whose head (all headers) i
 # streamWriteTimeout the adapter cancels it. Token streams need only a few KiB/s.
 SEND_BUFFER_BYTES = 256 * 1024
 UVICORN_HEADROOM = 64  # connections beyond 3 x maxLinkNum: health probes, metrics, the answers that shed load
-KEEP_ALIVE_SECONDS = 5  # an idle client connection is closed after this (uvicorn's default)
+KEEP_ALIVE_SECONDS = 5  # an idle client connection is closed after this (uvicorn's default), and a
+# request head must arrive within it (adapter.http_protocol)
 
 
 class DrainingServer(uvicorn.Server):
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     planes = listeners(srv)
     config = uvicorn.Config(
         app, host=planes[0].host, port=planes[0].port, log_level="info", access_log=False,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES, http="h11",
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES, http=HeadDeadlineProtocol,
         # a last bound on connections, above what the admission guard lets run and wait (3 x
         # maxLinkNum), so that overload gets the guard's 503 + Retry-After and health probes answer
         limit_concurrency=srv.maxLinkNum * 3 + UVICORN_HEADROOM, timeout_graceful_shutdown=5,

@@ -113,3 +113,51 @@ def test_accepted_connections_send_small_writes_at_once():
                 assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         listener.close()
+
+
+def test_connections_that_send_no_whole_request_head_are_closed_and_do_not_starve_health_probes(tmp_path):
+    """uvicorn counts open connections against limit_concurrency (3 x maxLinkNum + 64) and
+    closed none that never sent a request: 67 idle sockets at maxLinkNum 1 made every route,
+    health probes included, answer 503 for good. A head must now arrive within the
+    keep-alive time, however slowly it is sent."""
+    import time
+
+    port = _free_port()
+    config = write_settings(tmp_path, ServerConfig={"port": port, "maxLinkNum": 1},
+                            TritonConfig={"httpPort": _free_port(), "grpcPort": _free_port(),
+                                          "metricsPort": _free_port()})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "model_repository/llm/1")]))
+    proc = subprocess.Popen([sys.executable, "-m", "adapter", "--config", str(config)], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    idle: list[socket.socket] = []
+    try:
+        def live() -> int:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=2).status_code
+            except httpx.HTTPError:
+                return 0
+
+        assert wait_for(lambda: live() == 200, timeout=120), "the adapter did not start"
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(70)]
+        dribbler = idle[0]
+        opened = time.monotonic()
+        try:
+            for byte in b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n":  # a byte every 0.3 s: 10 s in all
+                dribbler.sendall(bytes([byte]))
+                time.sleep(0.3)
+            raise AssertionError("a head dribbled for 10 s was not cut off")
+        except (BrokenPipeError, ConnectionResetError):
+            assert 4 < time.monotonic() - opened < 8  # the keep-alive time (5 s) from its opening
+        assert wait_for(lambda: live() == 200, timeout=10)
+        for sock in idle:  # each was closed by the server
+            sock.settimeout(5)
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - opened < 15
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.terminate()
+        proc.wait(30)
