@@ -8,7 +8,8 @@
   (or ``X-API-Key``); compared in constant time and never logged.
 * Admission: at most ``maxLinkNum`` inference requests run at once and ``2 × maxLinkNum``
   wait for a slot (:mod:`adapter.admission`); past that the answer is an immediate 503
-  with ``Retry-After``. While stopping, 503 too.
+  with ``Retry-After``. While stopping, 503 too. A waiting client that hangs up leaves the
+  queue at once (:class:`Admission`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ import hmac
 import json
 
 from adapter.admission import AdmissionState
+
+INFERENCE_PATHS = ("/v1/completions", "/infer", "/infer_token")  # /infer_token: the same handler as /infer
+OPEN_PATHS = ("/v2/health/live",)
+
+
+async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())] + (headers or [])})
+    await send({"type": "http.response.body", "body": payload})
+
 
 _GONE = object()  # the client hung up while its request waited for a slot
 
@@ -35,17 +48,6 @@ def _replay(body: bytes, receive):
         return pending.pop() if pending else await receive()
 
     return replay
-
-INFERENCE_PATHS = ("/v1/completions", "/infer", "/infer_token")  # /infer_token: the same handler as /infer
-OPEN_PATHS = ("/v2/health/live",)
-
-
-async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    payload = json.dumps(body, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode())] + (headers or [])})
-    await send({"type": "http.response.body", "body": payload})
 
 
 class HeaderLimit:
