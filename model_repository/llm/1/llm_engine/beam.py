@@ -26,7 +26,6 @@ class Hypothesis:
     # JSON under response_format stops on its last character instead)
 
 
-
 @dataclass
 class Candidate:
     parent: int  # index into the live beams
