@@ -4,10 +4,13 @@ the mapping of engine and Triton failures to MindIE statuses."""
 from __future__ import annotations
 
 import asyncio
+from unittest.mock import AsyncMock
 
 import pytest
 from fastapi import Request
+from llm_engine.config import Settings
 
+from adapter.app import create_app
 from adapter.errors import overloaded_error
 from adapter.launch import accelerator_present, engine_cores, remove_shm_leftovers
 from adapter.service import BoundedStreamingResponse, SlowReader, to_mindie
@@ -88,9 +91,6 @@ def test_engine_and_triton_failures_map_to_mindie_statuses(error, status, error_
 
 def test_error_headers_reach_the_response():
     from fastapi.testclient import TestClient
-    from llm_engine.config import Settings
-
-    from adapter.app import create_app
 
     app = create_app(Settings(), tokenizer=object())
 
@@ -105,9 +105,6 @@ def test_error_headers_reach_the_response():
 
 def test_an_unexpected_error_is_a_500_in_the_mindie_envelope():
     from fastapi.testclient import TestClient
-    from llm_engine.config import Settings
-
-    from adapter.app import create_app
 
     app = create_app(Settings(), tokenizer=object())
 
@@ -376,10 +373,6 @@ def test_the_timed_health_probe_reports_a_hang_an_error_and_a_token():
 
 def test_a_client_gone_while_its_body_is_read_is_a_quiet_499(caplog):
     """Starlette's ClientDisconnect once fell to the catch-all: a 500 and a traceback in the log."""
-    from llm_engine.config import Settings
-
-    from adapter.app import create_app
-
     app = create_app(Settings(), tokenizer=object())
 
     @app.post("/upload")
@@ -387,9 +380,7 @@ def test_a_client_gone_while_its_body_is_read_is_a_quiet_499(caplog):
         await request.body()
 
     sent = []
-
-    async def receive():
-        return {"type": "http.disconnect"}
+    receive = AsyncMock(return_value={"type": "http.disconnect"})
 
     async def send(message):
         sent.append(message)
