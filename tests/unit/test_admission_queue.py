@@ -107,6 +107,18 @@ class Client:
     async def send(self, message):
         self.sent.append(message)
 
+    def through(self, guard) -> asyncio.Task:
+        """The request, sent through the admission guard."""
+        return asyncio.create_task(guard(self.scope, self.receive, self.send))
+
+
+async def one_slot_taken():
+    """maxLinkNum 1, its slot held by a long generation: the guard, its state, what it served."""
+    state = AdmissionState(limit=1)
+    guard, served = admission_with(state)
+    assert await state.acquire()
+    return state, guard, served
+
 
 def admission_with(state):
     from adapter.guards import Admission
@@ -124,11 +136,9 @@ def admission_with(state):
 def test_a_client_that_hangs_up_while_queued_leaves_the_queue_at_once():
     """Dead entries once kept their places for up to e2eTimeout, and live clients got 503."""
     async def scenario():
-        state = AdmissionState(limit=1)
-        guard, served = admission_with(state)
-        assert await state.acquire()  # a long generation holds the one slot
+        state, guard, served = await one_slot_taken()
         gone = [Client() for _ in range(2)]
-        queued = [asyncio.create_task(guard(c.scope, c.receive, c.send)) for c in gone]
+        queued = [c.through(guard) for c in gone]
         await asyncio.sleep(0.01)
         assert state.waiting == 2
         for client in gone:
@@ -136,7 +146,7 @@ def test_a_client_that_hangs_up_while_queued_leaves_the_queue_at_once():
         await asyncio.gather(*queued)
         assert state.waiting == 0 and not any(c.sent for c in gone)
         live = Client(b'{"inputs": "live"}')
-        task = asyncio.create_task(guard(live.scope, live.receive, live.send))
+        task = live.through(guard)
         await asyncio.sleep(0.01)
         assert state.waiting == 1  # queued, not turned away
         state.release()
@@ -149,11 +159,9 @@ def test_a_client_that_hangs_up_while_queued_leaves_the_queue_at_once():
 
 def test_a_client_that_hangs_up_as_its_slot_comes_passes_the_slot_on():
     async def scenario():
-        state = AdmissionState(limit=1)
-        guard, served = admission_with(state)
-        assert await state.acquire()
+        state, guard, served = await one_slot_taken()
         first, second = Client(b"1"), Client(b"2")
-        tasks = [asyncio.create_task(guard(c.scope, c.receive, c.send)) for c in (first, second)]
+        tasks = [c.through(guard) for c in (first, second)]
         await asyncio.sleep(0.01)
         first.hang_up.set()
         state.release()  # handed to "first", which is going away at the same moment
@@ -165,11 +173,9 @@ def test_a_client_that_hangs_up_as_its_slot_comes_passes_the_slot_on():
 
 def test_a_chunked_body_is_left_to_the_route_and_waits_as_before():
     async def scenario():
-        state = AdmissionState(limit=1)
-        guard, served = admission_with(state)
-        assert await state.acquire()
+        state, guard, served = await one_slot_taken()
         client = Client(b"chunked", chunked=True)
-        task = asyncio.create_task(guard(client.scope, client.receive, client.send))
+        task = client.through(guard)
         await asyncio.sleep(0.01)
         assert state.waiting == 1 and not client._body_sent  # not read while it waits
         state.release()
